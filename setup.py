@@ -1,0 +1,21 @@
+"""sglang-tts: Test-Time Speculation for SGLang (online drafter distillation during generation)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="sglang-tts",
+    version="0.1.0",
+    description="Test-Time Speculation: adapt EAGLE-3 / DFlash drafters online inside SGLang",
+    packages=find_packages(include=["sglang_tts", "sglang_tts.*", "triton_kernels", "triton_kernels.*"]),
+    python_requires=">=3.10",
+    # sglang and torch are installed by scripts/setup_env.sh (CPU build of torch, sglang --no-deps);
+    # listing them here would let pip pull CUDA wheels.
+    install_requires=["safetensors", "tqdm", "numpy"],
+    extras_require={
+        "dev": ["pytest", "pytest-timeout", "ruff", "matplotlib", "openai"],
+    },
+    entry_points={
+        # SGLang's load_plugins() runs this in every process (launcher, scheduler, detokenizer).
+        "sglang.srt.plugins": ["sglang_tts = sglang_tts.plugin:register"],
+    },
+)

@@ -1,0 +1,114 @@
+"""What one verify round hands to the drafter update.
+
+A canvas is a batch of *chains*: for each request, the tokens the drafter consumed at each canvas
+position and the target's distribution there. Tree drafts are reduced to a chain by the adapter
+(the accepted path plus the next position, see README "Which tree nodes the loss uses").
+
+Indexing convention (EAGLE-3 and DFlash alike). At a round anchored at verified token x_t
+(the last token the target has accepted, whose target feature is not yet known):
+
+    canvas position k = 0 .. C-1
+    input_ids[:, k]      the token fed at position k: x_t, then the drafted d_1 .. d_{C-1}
+    positions[:, k]      its absolute position in the sequence
+    target_logits[:, k]  the target's logits for the token *after* input_ids[:, k],
+                         i.e. p(X_{t+k+1} | x_{1:t}, d_{1:k}) from the verify forward
+
+Drafter-specific context lives in `features`/`context_*` (documented per drafter in
+sglang_tts/drafters). Everything here is engine independent: plain tensors, no SGLang types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+
+@dataclass
+class Canvas:
+    input_ids: torch.Tensor  # [B, C] int64
+    positions: torch.Tensor  # [B, C] int64
+    target_logits: torch.Tensor  # [B, C, V_target] float, teacher logits (temperature 1)
+    valid: torch.Tensor  # [B, C] bool: positions that enter the loss
+    # Target hidden features the drafter conditions on.
+    #  EAGLE-3: [B, F] aux hidden states (concat of 3 target layers) of the token before input_ids[:, 0]
+    #  DFlash:  [B, L, F] aux hidden states of the last L context tokens (see context_mask)
+    features: torch.Tensor
+    # Detached drafter K/V of earlier context, per drafter layer: (k, v) each [B, H_kv, L, D],
+    # keys already rotary-embedded. None: the drafter attends only to what it recomputes.
+    past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    past_mask: torch.Tensor | None = None  # [B, L] bool, True where past_kv holds a real entry
+    context_positions: torch.Tensor | None = None  # [B, L] int64 positions of `features` rows (DFlash)
+    context_mask: torch.Tensor | None = None  # [B, L] bool for `features` rows (DFlash)
+    num_accepted: torch.Tensor | None = None  # [B] int64 drafts accepted this round (bonus excluded)
+    request_ids: list[str] = field(default_factory=list)
+    round_index: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def length(self) -> int:
+        return int(self.input_ids.shape[1])
+
+    def to(self, device: torch.device | str) -> Canvas:
+        """A copy on `device` (the executor moves canvases off the serving path's buffers)."""
+
+        def mv(x):
+            if x is None:
+                return None
+            if isinstance(x, torch.Tensor):
+                return x.to(device)
+            return [(k.to(device), v.to(device)) for k, v in x]
+
+        return replace(
+            self,
+            input_ids=mv(self.input_ids),
+            positions=mv(self.positions),
+            target_logits=mv(self.target_logits),
+            valid=mv(self.valid),
+            features=mv(self.features),
+            past_kv=mv(self.past_kv),
+            past_mask=mv(self.past_mask),
+            context_positions=mv(self.context_positions),
+            context_mask=mv(self.context_mask),
+            num_accepted=mv(self.num_accepted),
+            request_ids=list(self.request_ids),
+        )
+
+    def detach_clone(self) -> Canvas:
+        """A private copy: the serving path may reuse its buffers while an update still runs."""
+
+        def cp(x):
+            if x is None:
+                return None
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            return [(k.detach().clone(), v.detach().clone()) for k, v in x]
+
+        return replace(
+            self,
+            input_ids=cp(self.input_ids),
+            positions=cp(self.positions),
+            target_logits=cp(self.target_logits),
+            valid=cp(self.valid),
+            features=cp(self.features),
+            past_kv=cp(self.past_kv),
+            past_mask=cp(self.past_mask),
+            context_positions=cp(self.context_positions),
+            context_mask=cp(self.context_mask),
+            num_accepted=cp(self.num_accepted),
+            request_ids=list(self.request_ids),
+        )
+
+    def validate(self) -> None:
+        b, c = self.input_ids.shape
+        if self.positions.shape != (b, c):
+            raise ValueError(f"positions {tuple(self.positions.shape)} != input_ids {(b, c)}")
+        if self.target_logits.shape[:2] != (b, c):
+            raise ValueError(f"target_logits {tuple(self.target_logits.shape)} does not match {(b, c)}")
+        if self.valid.shape != (b, c) or self.valid.dtype != torch.bool:
+            raise ValueError("valid must be a [B, C] bool tensor")
+        if self.features.shape[0] != b:
+            raise ValueError("features must have the batch dimension first")

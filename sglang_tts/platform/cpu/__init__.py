@@ -1,0 +1,94 @@
+"""SGLang-on-CPU support: what SGLang's missing CPU kernel build would provide.
+
+Active only where the real kernels are absent (no importable `sgl_kernel` and no CUDA device);
+on a GPU machine `install()` returns without touching anything, so GPU users get stock SGLang.
+What it does when active:
+1. sets SGLANG_USE_CPU_ENGINE=1 (SGLang's `is_cpu()` reads it; `--device cpu` alone is not enough);
+2. puts a pure-PyTorch `sgl_kernel` stand-in at the END of sys.path (and PYTHONPATH, for
+   subprocesses); multiprocessing's spawn copies sys.path into SGLang's scheduler processes,
+   which import `sgl_kernel` at module level before their own plugin loading runs;
+3. registers HookRegistry AROUND hooks that teach the torch_native attention backend
+   TARGET_VERIFY and give DraftBackendFactory torch-native multi-step draft / draft-extend backends.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pathlib
+import sys
+
+logger = logging.getLogger(__name__)
+
+SHIM_DIR = pathlib.Path(__file__).resolve().parent / "kernel_shim"
+_installed = False
+
+
+def real_kernels_present() -> bool:
+    """True when a real sgl_kernel is importable (our stand-in excluded) or CUDA is usable."""
+    spec = importlib.util.find_spec("sgl_kernel")
+    if spec is not None and spec.origin is not None and not str(spec.origin).startswith(str(SHIM_DIR)):
+        return True
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # pragma: no cover - torch always importable where SGLang is
+        return False
+
+
+def needed() -> bool:
+    """Whether the CPU layer should activate in this process."""
+    if os.environ.get("SGLANG_TTS_CPU_SUPPORT", "auto") == "0":
+        return False
+    if os.environ.get("SGLANG_TTS_CPU_SUPPORT", "auto") == "1":
+        return True
+    return not real_kernels_present()
+
+
+def _add_shim_to_path() -> None:
+    shim = str(SHIM_DIR)
+    if shim not in sys.path:
+        sys.path.append(shim)
+    parts = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if shim not in parts:
+        os.environ["PYTHONPATH"] = os.pathsep.join([*parts, shim])
+
+
+def _register_hooks() -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from sglang_tts.platform.cpu import attention, dflash
+
+    HookRegistry.register(
+        "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
+        attention.forward_extend_hook,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend",
+        attention.create_decode_backend_hook,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
+        attention.create_draft_extend_backend_hook,
+        HookType.AROUND,
+    )
+    dflash.register_hooks(HookRegistry, HookType)
+
+
+def install() -> bool:
+    """Activate CPU support if needed; idempotent. Returns whether it is active."""
+    global _installed
+    if _installed:
+        return True
+    if not needed():
+        return False
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    _add_shim_to_path()
+    _register_hooks()
+    _installed = True
+    logger.info("sglang-tts: CPU support active (torch-native sgl_kernel ops, verify and draft attention)")
+    return True

@@ -1,0 +1,195 @@
+"""Torch-native attention for speculative decoding on CPU.
+
+SGLang's `torch_native` backend serves plain prefill/decode but knows neither TARGET_VERIFY
+(the target scores all draft tokens of a request in one pass) nor the multi-step draft decode
+that EAGLE-style drafting needs; `DraftBackendFactory` has no `torch_native` entry at all. On GPU
+those paths run in fused kernels; the CPU kernels that would do it (intel_amx) need AMX and the
+CPU build of sgl-kernel. This module supplies both in plain PyTorch:
+
+- `forward_target_verify`: query = the request's draft tokens; keys = its prefix plus the draft
+  tokens. The prefix is fully visible; among drafts, a chain (tree_topk == 1) is causal, a tree uses
+  the QLEN_ONLY [n, n] ancestor mask that `build_tree_kernel_efficient` writes on CPU, and an
+  ENCODER_ONLY layer (DFlash's draft block) sees the whole block.
+- `TorchNativeMultiStepDraftBackend`: one backend per draft step. Step i of branch k attends to
+  the prefix and to its own draft slots `req_to_token[r, L + k*steps : L + k*steps + i + 1]`, the
+  slot layout of SGLang's `generate_draft_decode_kv_indices` / `assign_draft_cache_locs`.
+
+Installed by `sglang_tts.platform.cpu.install()` as HookRegistry AROUND hooks, only when the real
+kernels are missing; on a GPU machine nothing here runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale, gqa: bool):
+    """q [n, Hq, D], k/v [L, Hkv, D], mask [n, L] bool (True = visible) -> [n, Hq, Dv]."""
+    if k.dtype != q.dtype:
+        k, v = k.to(q.dtype), v.to(q.dtype)
+    out = scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
+        scale=scale,
+        enable_gqa=gqa,
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def target_verify_mask(prefix_len: int, n: int, spec_info, request_index: int, bidirectional: bool) -> torch.Tensor:
+    """[n, prefix_len + n] visibility of a request's draft tokens in TARGET_VERIFY."""
+    mask = torch.ones((n, prefix_len + n), dtype=torch.bool)
+    if bidirectional:
+        return mask
+    tree_topk = getattr(spec_info, "tree_topk", 1)
+    custom_mask = getattr(spec_info, "custom_mask", None)
+    if tree_topk != 1 and custom_mask is not None and custom_mask.numel() > 0:
+        # QLEN_ONLY layout: one [n, n] ancestor-or-self mask per request, flattened back to back.
+        block = custom_mask[request_index * n * n : (request_index + 1) * n * n].view(n, n)
+        mask[:, prefix_len:] = block.to(torch.bool).cpu()
+    else:
+        mask[:, prefix_len:] = torch.ones((n, n), dtype=torch.bool).tril()
+    return mask
+
+
+def forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+    """TARGET_VERIFY attention for `TorchNativeAttnBackend` (see module docstring)."""
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+
+    spec_info = forward_batch.spec_info
+    n = int(spec_info.draft_token_num)
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    v_cache = pool.get_value_buffer(layer.layer_id)
+    req_to_token = backend.req_to_token_pool.req_to_token
+    bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
+    gqa = layer.tp_q_head_num != layer.tp_k_head_num
+    seq_lens = forward_batch.seq_lens.tolist()
+    pools = forward_batch.req_pool_indices.tolist()
+    for r, (prefix_len, pool_idx) in enumerate(zip(seq_lens, pools)):
+        slots = req_to_token[pool_idx, : prefix_len + n].long()
+        mask = target_verify_mask(prefix_len, n, spec_info, r, bidirectional).to(q.device)
+        o_[r * n : (r + 1) * n] = _sdpa(
+            q_[r * n : (r + 1) * n], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa
+        )
+    return o
+
+
+class TorchNativeDraftStepBackend:
+    """Attention for draft step `step` of a multi-step EAGLE draft (decode mode, bs*topk tokens)."""
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int, step: int):
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        self.inner = TorchNativeAttnBackend(model_runner)
+        self.topk = topk
+        self.num_steps = speculative_num_steps
+        self.step = step
+
+    def __getattr__(self, name):
+        # Everything we do not override behaves like SGLang's own torch_native backend.
+        return getattr(self.inner, name)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        self.inner.init_forward_metadata(forward_batch)
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+        inner = self.inner
+        pool = inner.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        q = q.reshape(-1, layer.tp_q_head_num * layer.qk_head_dim)
+        o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+        k_cache = pool.get_key_buffer(layer.layer_id)
+        v_cache = pool.get_value_buffer(layer.layer_id)
+        req_to_token = inner.req_to_token_pool.req_to_token
+        gqa = layer.tp_q_head_num != layer.tp_k_head_num
+        seq_lens = forward_batch.seq_lens.tolist()
+        pools = forward_batch.req_pool_indices.tolist()
+        for r, (prefix_len, pool_idx) in enumerate(zip(seq_lens, pools)):
+            row = req_to_token[pool_idx]
+            prefix = row[:prefix_len]
+            for branch in range(self.topk):
+                start = prefix_len + branch * self.num_steps
+                slots = torch.cat([prefix, row[start : start + self.step + 1]]).long()
+                t = r * self.topk + branch
+                o_[t : t + 1] = _sdpa(q_[t : t + 1], k_cache[slots], v_cache[slots], None, layer.scaling, gqa)
+        return o
+
+
+class TorchNativeMultiStepDraftBackend:
+    """Per-step torch-native backends for EAGLE's multi-step draft (steps 0 .. num_steps-2)."""
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.attn_backends = [
+            TorchNativeDraftStepBackend(model_runner, topk, speculative_num_steps, step)
+            for step in range(speculative_num_steps - 1)
+        ]
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        for backend in self.attn_backends:
+            backend.init_forward_metadata(forward_batch)
+
+    # CUDA graphs are never captured on CPU; these exist because SGLang probes for them.
+    def init_cuda_graph_state(self, *args, **kwargs) -> None:
+        return None
+
+
+def _draft_backend_is_torch_native(factory) -> bool:
+    from sglang.srt.runtime_context import attention_backends
+
+    prefill_backend, decode_backend = attention_backends()
+    return (factory.draft_attn_backend or decode_backend) == "torch_native" or (
+        factory.draft_attn_backend is None and prefill_backend == "torch_native" and decode_backend is None
+    )
+
+
+def create_decode_backend_hook(original, factory, *args, **kwargs):
+    """AROUND hook on DraftBackendFactory.create_decode_backend."""
+    if factory.speculative_num_steps > 1 and _draft_backend_is_torch_native(factory):
+        backend = TorchNativeMultiStepDraftBackend(
+            factory.draft_model_runner, factory.topk, factory.speculative_num_steps
+        )
+        for b in [backend, *backend.attn_backends]:
+            b.prefill_attention_backend_str = "torch_native"
+            b.decode_attention_backend_str = "torch_native"
+        return backend
+    return original(factory, *args, **kwargs)
+
+
+def create_draft_extend_backend_hook(original, factory, *args, **kwargs):
+    """AROUND hook on DraftBackendFactory.create_draft_extend_backend."""
+    if _draft_backend_is_torch_native(factory):
+        from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+        backend = TorchNativeAttnBackend(factory.draft_model_runner)
+        backend.prefill_attention_backend_str = "torch_native"
+        backend.decode_attention_backend_str = "torch_native"
+        return backend
+    return original(factory, *args, **kwargs)
+
+
+def forward_extend_hook(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
+    """AROUND hook on TorchNativeAttnBackend.forward_extend: adds TARGET_VERIFY."""
+    if forward_batch.forward_mode.is_target_verify():
+        return forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)

@@ -1,0 +1,160 @@
+"""Launch a real SGLang server process on a free loopback port, wait for health, shut it down.
+
+Used by the tests' server fixtures and by the benchmark scripts. The server runs in its own
+process group so shutdown reaches SGLang's scheduler and detokenizer children too (no orphans).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+CPU_DEFAULT_ARGS = (
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--disable-cuda-graph",
+    "--dtype",
+    "float32",
+    "--max-total-tokens",
+    "8192",
+    "--mem-fraction-static",
+    "0.05",
+    "--skip-server-warmup",
+)
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    base_url: str
+    port: int
+    proc: subprocess.Popen
+    log_path: pathlib.Path
+    args: list[str] = field(default_factory=list)
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
+                return r.status == 200
+        except (urllib.error.URLError, OSError):
+            return False
+
+
+def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not server.alive():
+            raise ServerStartError(
+                f"SGLang server exited with code {server.proc.returncode} during startup; log tail:\n"
+                + server.log_tail()
+            )
+        if server.healthy():
+            return
+        time.sleep(1.0)
+    raise ServerStartError(f"SGLang server not healthy after {timeout_s:.0f} s; log tail:\n{server.log_tail()}")
+
+
+def start_server(
+    model_path: str,
+    extra_args: Sequence[str] = (),
+    cpu_defaults: bool = True,
+    timeout_s: float = 300.0,
+    env: dict[str, str] | None = None,
+    log_dir: str | None = None,
+) -> ServerProcess:
+    port = free_port()
+    args = [
+        sys.executable,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        str(model_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *(CPU_DEFAULT_ARGS if cpu_defaults else ()),
+        *extra_args,
+    ]
+    log_file = tempfile.NamedTemporaryFile(
+        prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w"
+    )
+    proc_env = dict(os.environ)
+    proc_env.update(env or {})
+    proc = subprocess.Popen(
+        args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
+    )
+    server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, pathlib.Path(log_file.name), args)
+    try:
+        _wait_healthy(server, timeout_s)
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: ServerProcess, timeout_s: float = 30.0) -> None:
+    """SIGTERM the server's process group, then SIGKILL what is left; waits for the leader."""
+    if server.proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (scheduler, detokenizer) share the group: make sure none survive the leader.
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        server.proc.wait(timeout=timeout_s)
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.contextmanager
+def sglang_server(model_path: str, extra_args: Sequence[str] = (), **kwargs) -> Iterator[ServerProcess]:
+    server = start_server(model_path, extra_args, **kwargs)
+    try:
+        yield server
+    finally:
+        stop_server(server)
