@@ -108,14 +108,10 @@ def start_server(
         *(CPU_DEFAULT_ARGS if cpu_defaults else ()),
         *extra_args,
     ]
-    log_file = tempfile.NamedTemporaryFile(
-        prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w"
-    )
+    log_file = tempfile.NamedTemporaryFile(prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w")
     proc_env = dict(os.environ)
     proc_env.update(env or {})
-    proc = subprocess.Popen(
-        args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True
-    )
+    proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
     server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, pathlib.Path(log_file.name), args)
     try:
         _wait_healthy(server, timeout_s)
@@ -126,10 +122,10 @@ def start_server(
 
 
 def stop_server(server: ServerProcess, timeout_s: float = 30.0) -> None:
-    """SIGTERM the server's process group, then SIGKILL what is left; waits for the leader."""
+    """SIGTERM the launcher (SGLang then stops its own children), then SIGKILL the whole group."""
     if server.proc.poll() is None:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(server.proc.pid, signal.SIGTERM)
+            os.kill(server.proc.pid, signal.SIGTERM)
         try:
             server.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:

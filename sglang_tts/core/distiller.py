@@ -1,0 +1,377 @@
+"""The Distiller: when to update the drafter, how, and when the serving copy sees the result.
+
+Per verify round the engine adapter calls, in this order:
+
+    distiller.barrier()        before drafting: if an update is pending *and due*, wait for it
+                               (CPU-side) and, if it succeeded, publish the trained weights
+    ... draft, verify ...
+    distiller.observe(canvas)  every `update_stride` rounds (S, 2S, ... of the current scope),
+                               submit one update on a private copy of *this* canvas (no
+                               accumulation over the skipped rounds, paper appendix C.1)
+
+When an update is due (the schedule is deterministic, independent of timing):
+  - inline executor (--tts-sync): at the very next round, as in the paper's Algorithm 1;
+  - async executors: the update submitted after round kS overlaps rounds kS+1 .. kS+S-1 and is
+    applied by the barrier before round (k+1)S, whose observe() submits the next one (paper C.1:
+    "a synchronization barrier is inserted after S-1 rounds"). With S = 1 that is the next round.
+  barrier(force=True) applies a pending update now (end of a scope, tests, checkpoints).
+
+Weight versions. The drafter is trained in a private copy; the serving copy is written only
+inside barrier() (reset() publishes through barrier() too), so a draft sees either all-old or
+all-new weights, never a mix, and CUDA graphs replay on complete weights.
+  - publisher is None: `drafter` *is* the serving copy; the Distiller trains a deep copy of it
+    (frozen parameters and buffers are shared, not copied) and copies the trained tensors into
+    `drafter`'s own parameters at barrier().
+  - publisher given: `drafter` is the training copy (the engine keeps its own inference copy,
+    possibly fused or TP-sharded) and barrier() calls publisher.publish(trained tensors), keyed
+    by the names of drafter.trainable_named_parameters().
+
+Failures never reach the caller: a non-finite loss, gradient or weight, or any exception inside
+the update, rolls the trained copy *and* the optimizer state back to before the update, is
+counted in stats.num_skipped_updates and logged.
+
+Memory: besides the trained copy, one rollback copy of the trained parameters and optimizer
+state is kept (refilled in place before every update).
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
+from sglang_tts.core.loss import compute_loss
+from sglang_tts.core.publish import WeightPublisher
+from sglang_tts.core.stats import DistillerStats
+
+logger = logging.getLogger(__name__)
+
+#: What a fault injector may return for an update (tests and failure drills):
+#:   "nan"   the loss of the update's last step becomes NaN (caught before backward)
+#:   "raise" an exception right after the first optimizer step (weights already modified)
+Fault = Literal["nan", "raise"]
+
+
+@dataclass
+class UpdateOutcome:
+    status: Literal["ok", "skipped", "empty"]  # empty: no position entered the loss, nothing done
+    reason: str = ""
+    loss: float = math.nan  # before the first step, i.e. of the drafter the canvas was drafted with
+    kl_teacher: float = math.nan
+    num_positions: int = 0
+    round: int = -1  # the Distiller round that submitted this update
+    update_index: int = -1  # 0-based count of submitted updates
+
+
+class _RollbackPoint:
+    """Copies of the trained parameters and the optimizer state, taken before each update.
+
+    Buffers are allocated once and refilled in place, so the per-update cost is a device copy.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.param_copies = [p.detach().clone() for p in params]
+        self.state_copies: dict[int, dict[str, Any]] = {}
+
+    @torch.no_grad()
+    def save(self, optimizer: torch.optim.Optimizer) -> None:
+        torch._foreach_copy_(self.param_copies, [p.detach() for p in self.params])
+        saved: dict[int, dict[str, Any]] = {}
+        for i, p in enumerate(self.params):
+            state = optimizer.state.get(p)
+            if not state:
+                continue
+            previous = self.state_copies.get(i, {})
+            entry: dict[str, Any] = {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor):
+                    buf = previous.get(key)
+                    same = isinstance(buf, torch.Tensor) and buf.shape == value.shape and buf.dtype == value.dtype
+                    entry[key] = buf.copy_(value) if same else value.detach().clone()
+                else:
+                    entry[key] = copy.deepcopy(value)
+            saved[i] = entry
+        self.state_copies = saved
+
+    @torch.no_grad()
+    def restore(self, optimizer: torch.optim.Optimizer) -> None:
+        torch._foreach_copy_([p.detach() for p in self.params], self.param_copies)
+        for i, p in enumerate(self.params):
+            entry = self.state_copies.get(i)
+            if entry is None:
+                optimizer.state.pop(p, None)
+                continue
+            state = optimizer.state[p]
+            for key in [k for k in state if k not in entry]:
+                del state[key]
+            for key, value in entry.items():
+                current = state.get(key)
+                if (
+                    isinstance(value, torch.Tensor)
+                    and isinstance(current, torch.Tensor)
+                    and current.shape == value.shape
+                ):
+                    current.copy_(value)  # in place: the optimizer may hold these tensors elsewhere
+                else:
+                    state[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def _select_trainable(named: list[tuple[str, nn.Parameter]], prefixes: tuple[str, ...] | None) -> list[str]:
+    names = [n for n, _ in named if prefixes is None or any(n.startswith(p) for p in prefixes)]
+    if not names:
+        raise TTSConfigError(f"--tts-trainable {prefixes} selects none of the drafter's trainable parameters")
+    return names
+
+
+def _training_copy(drafter: nn.Module, train_names: list[str]) -> nn.Module:
+    """A deep copy whose selected trainable parameters are new tensors; everything else (frozen
+    weights such as a borrowed target LM head, and buffers) is shared with `drafter`."""
+    trained = dict(drafter.trainable_named_parameters())
+    copied_ids = {id(trained[n]) for n in train_names}
+    memo = {id(t): t for t in itertools.chain(drafter.parameters(), drafter.buffers()) if id(t) not in copied_ids}
+    return copy.deepcopy(drafter, memo)
+
+
+class Distiller:
+    def __init__(
+        self,
+        drafter: nn.Module,
+        config: TTSConfig,
+        executor: UpdateExecutor | None = None,
+        publisher: WeightPublisher | None = None,
+        fault_injector: Callable[[int], str | None] | None = None,
+    ) -> None:
+        self.config = config.validate()
+        self.executor = executor if executor is not None else SyncExecutor()
+        self.publisher = publisher
+        self.fault_injector = fault_injector
+        self.stats = DistillerStats()
+
+        self.train_names = _select_trainable(drafter.trainable_named_parameters(), config.trainable)
+        # The module to draft with when publisher is None; None when an engine owns the inference copy.
+        self.serving_drafter: nn.Module | None = drafter if publisher is None else None
+        # Private: only the update (in the executor) and reset() touch it.
+        self.trained_drafter: nn.Module = _training_copy(drafter, self.train_names) if publisher is None else drafter
+
+        named = dict(self.trained_drafter.trainable_named_parameters())
+        self.train_params: list[nn.Parameter] = [named[n] for n in self.train_names]
+        train_ids = {id(p) for p in self.train_params}
+        for p in self.trained_drafter.parameters():  # no gradient work for weights we do not train
+            p.requires_grad_(id(p) in train_ids)
+        self._serving_params: list[torch.Tensor] = []
+        if self.serving_drafter is not None:
+            serving_named = dict(self.serving_drafter.trainable_named_parameters())
+            self._serving_params = [serving_named[n] for n in self.train_names]
+
+        self.device = self.train_params[0].device
+        self.base_weights = [p.detach().clone() for p in self.train_params]
+        self.optimizer = self._make_optimizer()
+        self._rollback = _RollbackPoint(self.train_params)
+        self._num_submitted = 0
+        self._unpublished = False  # the trained copy holds weights the serving copy has not seen
+        self._weights_cache: dict[int, torch.Tensor] = {}
+
+    # --- the serving-thread API -------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int:
+        return self.stats.weight_version
+
+    def observe(self, canvas: Canvas) -> bool:
+        """Count one verify round; every update_stride rounds submit an update on this canvas.
+
+        Returns whether an update was submitted."""
+        self.stats.rounds += 1
+        self.stats.scope_rounds += 1
+        if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
+            logger.info("TTS %s", self.stats.snapshot())
+        if self.config.freeze or self.stats.scope_rounds % self.config.update_stride != 0:
+            return False
+        if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
+            self._absorb(self.executor.wait())
+        # Outside inference mode, so a canvas of inference tensors becomes an autograd-usable copy.
+        with torch.inference_mode(False), torch.no_grad():
+            private = canvas.detach_clone()
+            if private.input_ids.device != self.device:
+                private = private.to(self.device)
+        update_index, submitted_round = self._num_submitted, self.stats.rounds
+        self._num_submitted += 1
+        self.executor.submit(lambda: self._update(private, update_index, submitted_round))
+        return True
+
+    def barrier(self, force: bool = False) -> bool:
+        """Before each draft: if the pending update is due (or force), wait for it; publish the
+        trained weights if they changed. Returns whether new weights were published."""
+        if self.executor.pending and (force or self.update_due()):
+            self._absorb(self.executor.wait())
+        if not self._unpublished:
+            return False
+        with torch.inference_mode(False), torch.no_grad():
+            if self.publisher is not None:
+                self.publisher.publish(dict(self.trained_drafter.trainable_named_parameters()))
+            else:
+                for dst, src in zip(self._serving_params, self.train_params):
+                    dst.data.copy_(src.detach())
+        self._unpublished = False
+        self.stats.weight_version += 1
+        return True
+
+    def update_due(self) -> bool:
+        """Must the pending update be in the weights of the round about to be drafted?"""
+        if self.executor.inline or self.config.update_stride == 1:
+            return True
+        # The coming round is the last of its stride window: its observe() submits the next update.
+        return (self.stats.scope_rounds + 1) % self.config.update_stride == 0
+
+    def reset(self) -> None:
+        """Start a new scope: base weights (bitwise), fresh optimizer state, per-scope counters."""
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        with torch.no_grad():
+            torch._foreach_copy_([p.detach() for p in self.train_params], self.base_weights)
+        self.optimizer.state.clear()
+        self.stats.scope_rounds = 0
+        self.stats.scope_updates = 0
+        self.stats.num_resets += 1
+        self._unpublished = True
+        self.barrier(force=True)
+
+    def close(self) -> None:
+        """Finish (and account for) the pending update, then stop the executor; publishes nothing."""
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        self.executor.close()
+
+    # --- the update (runs in the executor) ----------------------------------------------------
+
+    def _update(self, canvas: Canvas, update_index: int, submitted_round: int) -> UpdateOutcome:
+        fault = self.fault_injector(update_index) if self.fault_injector is not None else None
+        self._rollback.save(self.optimizer)
+        try:
+            outcome = self._train(canvas, fault)
+        except Exception as exc:  # noqa: BLE001 - any failure becomes a skipped, rolled-back update
+            outcome = UpdateOutcome("skipped", reason=f"{type(exc).__name__}: {exc}")
+        if outcome.status == "skipped":
+            self._rollback.restore(self.optimizer)
+        outcome.round = submitted_round
+        outcome.update_index = update_index
+        return outcome
+
+    def _train(self, canvas: Canvas, fault: str | None) -> UpdateOutcome:
+        drafter, cfg = self.trained_drafter, self.config
+        with torch.no_grad():
+            teacher, teacher_mask = drafter.teacher_probs(canvas)
+            mask = canvas.valid & teacher_mask
+            num_positions = int(mask.sum())
+            if num_positions == 0:
+                return UpdateOutcome("empty", reason="no position entered the loss")
+            weights = self._position_weights(canvas.length)
+            # With one step the regulariser's gradient is exactly zero (the step is taken at q = q_t).
+            use_reg = cfg.reg_lambda > 0.0 and cfg.steps_per_update > 1
+            prev_logits = drafter.canvas_logits(canvas) if use_reg else None
+
+        first_loss, first_kl = math.nan, math.nan
+        for step in range(cfg.steps_per_update):
+            self.optimizer.zero_grad(set_to_none=True)
+            with torch.enable_grad():
+                out = compute_loss(
+                    drafter.canvas_hidden(canvas),
+                    drafter.lm_head_weight(),
+                    teacher,
+                    weights,
+                    mask,
+                    prev_logits,
+                    cfg.reg_lambda if use_reg else 0.0,
+                    cfg.loss_backend,
+                )
+                loss = out.loss
+                if fault == "nan" and step == cfg.steps_per_update - 1:
+                    loss = loss * math.nan
+                loss_value = float(loss.detach())
+                if not math.isfinite(loss_value):
+                    return UpdateOutcome("skipped", reason=f"non-finite loss at step {step}")
+                loss.backward()
+            if step == 0:
+                first_loss, first_kl = loss_value, float(out.kl_teacher)
+            grad_norm = self._clip_gradients()
+            if not math.isfinite(grad_norm):
+                return UpdateOutcome("skipped", reason=f"non-finite gradient at step {step}")
+            self.optimizer.step()
+            if fault == "raise" and step == 0:
+                raise RuntimeError("injected fault after the optimizer step")
+        self.optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            finite = torch.stack([torch.isfinite(p).all() for p in self.train_params]).all()
+        if not bool(finite):
+            return UpdateOutcome("skipped", reason="non-finite weights after the step")
+        return UpdateOutcome("ok", loss=first_loss, kl_teacher=first_kl, num_positions=num_positions)
+
+    def _clip_gradients(self) -> float:
+        grads = [p.grad for p in self.train_params if p.grad is not None]
+        if not grads:
+            return 0.0
+        if self.config.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(self.train_params, self.config.max_grad_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        return float(norm)
+
+    def _position_weights(self, length: int) -> torch.Tensor:
+        """config.position_weights (cut to, or zero-padded to, the canvas length), else the drafter's."""
+        if length not in self._weights_cache:
+            if self.config.position_weights is not None:
+                given = torch.tensor(self.config.position_weights[:length], dtype=torch.float32)
+                weights = torch.zeros(length)
+                weights[: given.numel()] = given
+            else:
+                weights = self.trained_drafter.default_position_weights(length)
+            self._weights_cache[length] = weights.to(self.device, torch.float32)
+        return self._weights_cache[length]
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        cfg = self.config
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(self.train_params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
+        fused = True if self.device.type == "cuda" else None  # fused kernels only where they pay off
+        return cls(self.train_params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=fused)
+
+    # --- bookkeeping (serving thread) ---------------------------------------------------------
+
+    def _absorb(self, result: UpdateResult | None) -> None:
+        """Fold a finished update into stats; mark its weights for publication if it was kept."""
+        if result is None:
+            return
+        stats, timing = self.stats, result.timing
+        stats.update_ms_last = timing.run_s * 1e3
+        stats.update_ms_total += timing.run_s * 1e3
+        stats.wait_ms_total += timing.wait_blocked_s * 1e3
+        stats.hidden_ms_total += timing.hidden_s * 1e3
+        if result.error is not None:  # the rollback itself failed: keep serving the published weights
+            stats.num_skipped_updates += 1
+            logger.error("TTS update failed outside its rollback: %r", result.error)
+            return
+        outcome: UpdateOutcome = result.value
+        if outcome.status == "ok":
+            stats.num_updates += 1
+            stats.scope_updates += 1
+            stats.last_loss = outcome.loss
+            stats.last_kl_teacher = outcome.kl_teacher
+            stats.last_update_round = outcome.round
+            self._unpublished = True
+        elif outcome.status == "skipped":
+            stats.num_skipped_updates += 1
+            logger.warning("TTS update %d skipped and rolled back: %s", outcome.update_index, outcome.reason)
+        else:
+            stats.num_empty_updates += 1

@@ -1,0 +1,30 @@
+"""Counters the Distiller keeps; read by the metrics exporter and the benchmark scripts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class DistillerStats:
+    # Global totals: never reset.
+    rounds: int = 0
+    num_updates: int = 0  # updates that completed and were kept
+    num_skipped_updates: int = 0  # non-finite or failed updates, rolled back
+    num_empty_updates: int = 0  # no canvas position entered the loss: nothing to train on
+    num_resets: int = 0
+    weight_version: int = 0  # bumped each time new weights are published to the serving copy
+    update_ms_total: float = 0.0
+    update_ms_last: float = 0.0
+    wait_ms_total: float = 0.0  # time the serving thread was blocked waiting for updates
+    hidden_ms_total: float = 0.0  # update time that overlapped serving instead
+    last_loss: float = math.nan
+    last_kl_teacher: float = math.nan
+    last_update_round: int = -1  # the distiller round whose canvas the last kept update trained on
+    # Per scope: cleared by Distiller.reset().
+    scope_rounds: int = 0
+    scope_updates: int = 0
+
+    def snapshot(self) -> dict[str, float | int]:
+        return asdict(self)

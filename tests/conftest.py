@@ -1,0 +1,45 @@
+"""Shared fixtures: tiny checkpoints built once per session, and a CPU thread budget.
+
+Tiny models are written in the public checkpoint layouts into a session temp dir, so every test
+that serves them exercises the same loaders a user's checkpoint would go through.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import pytest
+import torch
+
+# Two cores on CI: keep intra-op threads at 2 so server subprocesses and tests don't oversubscribe.
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> pathlib.Path:
+    return tmp_path_factory.mktemp("tiny-models")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tiny_dir) -> pathlib.Path:
+    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+
+    return write_tiny_target(tiny_dir / "tiny-llama", TinyTargetSpec(arch="llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3(tiny_dir) -> pathlib.Path:
+    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+
+    return write_tiny_target(tiny_dir / "tiny-qwen3", TinyTargetSpec(arch="qwen3", seed=1))
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle3(tiny_dir, tiny_llama) -> pathlib.Path:
+    import json
+
+    from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+
+    target_config = json.loads((tiny_llama / "config.json").read_text())
+    return write_tiny_eagle3(tiny_dir / "tiny-eagle3", target_config, layout="midlayer")

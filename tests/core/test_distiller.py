@@ -1,0 +1,304 @@
+"""The Distiller: learning, stride schedule, barrier consistency, reset, rollback, freeze."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from core_testing import TinyDrafter, TinyTeacher, agreement, random_canvas
+
+from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.distiller import Distiller
+from sglang_tts.core.executor import (
+    SyncExecutor,
+    ThreadExecutor,
+    UpdateExecutor,
+    UpdateResult,
+    UpdateTiming,
+)
+from sglang_tts.core.loss import tts_loss
+from sglang_tts.core.publish import WeightPublisher
+
+
+def _config(**overrides: Any) -> TTSConfig:
+    base = {"update_stride": 1, "lr": 1e-3, "reg_lambda": 0.0, "log_interval": 0}
+    return TTSConfig(**{**base, **overrides})
+
+
+def _params(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in module.trainable_named_parameters()}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+@torch.no_grad()
+def _canvas_loss(drafter: TinyDrafter, canvas: Canvas) -> float:
+    teacher, mask = drafter.teacher_probs(canvas)
+    return tts_loss(
+        drafter.canvas_logits(canvas), teacher, drafter.default_position_weights(canvas.length), mask
+    ).loss.item()
+
+
+class DeferredExecutor(UpdateExecutor):
+    """Runs a submitted update only when wait() is called: the latest possible moment, so any
+    reuse of the caller's canvas buffers after observe() would be seen by the update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._fn: Callable[[], Any] | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self._fn is not None
+
+    def submit(self, fn: Callable[[], Any]) -> None:
+        if self._fn is not None:
+            self.wait()
+        self._fn = fn
+
+    def wait(self) -> UpdateResult | None:
+        fn, self._fn = self._fn, None
+        if fn is None:
+            return None
+        start = time.perf_counter()
+        result = UpdateResult(value=fn(), timing=UpdateTiming(start, start, time.perf_counter()))
+        return self._finish(result)
+
+
+def test_one_step_lowers_the_loss_on_the_same_canvas(generator):
+    drafter = TinyDrafter()
+    with torch.inference_mode():  # the engine's forward runs in inference mode
+        canvas = TinyTeacher().canvas(generator, batch=2)
+    before = _canvas_loss(drafter, canvas)
+    distiller = Distiller(drafter, _config())
+    assert distiller.observe(canvas)
+    with torch.inference_mode():
+        assert distiller.barrier()
+    assert distiller.stats.num_updates == 1 and distiller.weight_version == 1
+    assert distiller.stats.last_loss == pytest.approx(before, rel=1e-5)
+    assert _canvas_loss(drafter, canvas) < before - 1e-4  # the serving drafter got the new weights
+
+
+def test_updates_raise_agreement_with_a_fixed_teacher(generator):
+    teacher = TinyTeacher()
+    held_out = [teacher.canvas(generator, batch=8) for _ in range(4)]
+    drafter = TinyDrafter(seed=0)
+    before = agreement(drafter, held_out)
+    distiller = Distiller(drafter, _config(lr=1e-2), executor=ThreadExecutor())
+    for round_index in range(120):
+        distiller.barrier()
+        distiller.observe(teacher.canvas(generator, batch=4, round_index=round_index))
+    distiller.barrier(force=True)
+    distiller.close()
+    after = agreement(drafter, held_out)
+    assert distiller.stats.num_updates == 120 and distiller.stats.num_skipped_updates == 0
+    assert after > before + 0.2, (before, after)
+
+
+class RecordingDrafter(TinyDrafter):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[int, int]] = []
+
+    def canvas_hidden(self, canvas: Canvas) -> torch.Tensor:
+        self.seen.append((canvas.round_index, int(canvas.positions[0, 0])))
+        return super().canvas_hidden(canvas)
+
+
+def test_stride_updates_on_the_latest_canvas_only(generator):
+    drafter = RecordingDrafter()
+    distiller = Distiller(drafter, _config(update_stride=5), publisher=WeightPublisher([]), executor=DeferredExecutor())
+    submitted_at = []
+    for round_number in range(1, 51):
+        distiller.barrier()
+        canvas = random_canvas(generator, round_index=round_number)
+        canvas.positions[0, 0] = round_number  # a stamp of this round's canvas content
+        if distiller.observe(canvas):
+            submitted_at.append(round_number)
+        canvas.positions.fill_(-1)  # the engine reuses its buffers right after observe()
+        canvas.input_ids.fill_(-1)
+    distiller.barrier(force=True)
+    assert submitted_at == list(range(5, 51, 5))
+    assert distiller.stats.num_updates == 10 and distiller.stats.rounds == 50
+    assert drafter.seen == [(r, r) for r in range(5, 51, 5)]
+    assert distiller.stats.last_update_round == 50
+
+
+@pytest.mark.parametrize(
+    ("executor_class", "expected"),
+    [
+        # Async: the updates submitted after rounds 4 and 8 overlap rounds 5-7 and 9-11 and land
+        # before rounds 8 and 12 (paper C.1: barrier after S-1 rounds).
+        (ThreadExecutor, [8, 12]),
+        # Inline: the update ran on the serving path, so the very next round drafts with it.
+        (SyncExecutor, [5, 9]),
+    ],
+)
+def test_when_updates_reach_the_serving_weights(generator, executor_class, expected):
+    distiller = Distiller(TinyDrafter(), _config(update_stride=4), executor=executor_class())
+    published_before_round = []
+    for round_number in range(1, 13):
+        if distiller.barrier():
+            published_before_round.append(round_number)
+        distiller.observe(random_canvas(generator, round_index=round_number))
+    assert published_before_round == expected
+    assert distiller.barrier(force=True)  # the update submitted after round 12
+    distiller.close()
+
+
+def _slow_stamping_step(distiller: Distiller, per_param_sleep_s: float) -> list[int]:
+    """Replace the optimizer step by one that writes a stamp into every trained parameter, one
+    parameter at a time with a sleep in between: a torn read would see mixed stamps."""
+    stamps = [0]
+
+    @torch.no_grad()
+    def step(closure=None):
+        stamps[0] += 1
+        for p in distiller.train_params:
+            p.fill_(float(stamps[0]))
+            time.sleep(per_param_sleep_s)
+
+    distiller.optimizer.step = step
+    return stamps
+
+
+@pytest.mark.parametrize("with_publisher", [False, True])
+def test_barrier_gives_drafts_all_old_or_all_new_weights(generator, with_publisher):
+    drafter = TinyDrafter()
+    if with_publisher:
+        serving = {n: torch.zeros_like(p) for n, p in drafter.trainable_named_parameters()}
+        publisher = WeightPublisher.from_name_map(serving, dict(drafter.trainable_named_parameters()))
+        distiller = Distiller(drafter, _config(update_stride=3), ThreadExecutor(), publisher)
+        serving_tensors = list(serving.values())
+    else:
+        distiller = Distiller(drafter, _config(update_stride=3), ThreadExecutor())
+        serving_tensors = [p for _, p in drafter.trainable_named_parameters()]
+    pointers = [t.data_ptr() for t in serving_tensors]
+    _slow_stamping_step(distiller, per_param_sleep_s=0.002)
+
+    def read_stamps() -> set[float]:
+        return {float(v) for t in serving_tensors for v in t.detach().flatten().tolist()}
+
+    drafts_with_update_in_flight = 0
+    for round_number in range(1, 31):
+        distiller.barrier()
+        first_read = read_stamps()
+        if distiller.weight_version > 0:
+            assert first_read == {float(distiller.weight_version)}  # one version, every element
+        drafts_with_update_in_flight += distiller.executor.pending
+        time.sleep(0.004)  # "draft and verify" while the update may be running
+        assert read_stamps() == first_read  # serving weights only change inside barrier()
+        distiller.observe(random_canvas(generator, round_index=round_number))
+        assert read_stamps() == first_read
+    distiller.barrier(force=True)
+    distiller.close()
+    assert distiller.stats.num_updates == 10 and distiller.weight_version == 10
+    assert read_stamps() == {10.0}
+    # Each update was in flight during the 2 drafts after its submission, and part of its run
+    # time was really hidden behind them.
+    assert drafts_with_update_in_flight == 18
+    assert distiller.stats.hidden_ms_total > 0
+    assert [t.data_ptr() for t in serving_tensors] == pointers
+
+
+def test_reset_restores_base_weights_and_clears_optimizer_state(generator):
+    drafter = TinyDrafter()
+    base = _params(drafter)
+    teacher = TinyTeacher()
+    distiller = Distiller(drafter, _config(lr=1e-2))
+    for round_index in range(3):
+        distiller.barrier()
+        distiller.observe(teacher.canvas(generator, round_index=round_index))
+    distiller.barrier()
+    assert not _equal(_params(drafter), base) and len(distiller.optimizer.state) > 0
+    version = distiller.weight_version
+
+    distiller.reset()
+    assert _equal(_params(drafter), base)  # serving copy, bitwise
+    assert _equal(_params(distiller.trained_drafter), base)
+    assert len(distiller.optimizer.state) == 0
+    assert distiller.weight_version == version + 1
+    stats = distiller.stats
+    assert (stats.num_resets, stats.scope_rounds, stats.scope_updates) == (1, 0, 0)
+    assert (stats.rounds, stats.num_updates) == (3, 3)  # global totals survive
+
+    distiller.observe(teacher.canvas(generator))
+    distiller.barrier()
+    first_state = next(iter(distiller.optimizer.state.values()))
+    assert int(first_state["step"]) == 1  # Adam starts afresh
+    assert not _equal(_params(drafter), base)
+
+
+def test_faulty_updates_are_skipped_rolled_back_and_counted(generator, caplog):
+    faults = {1: "nan", 3: "raise"}
+    drafter = TinyDrafter()
+    distiller = Distiller(
+        drafter, _config(lr=1e-2, steps_per_update=2, reg_lambda=0.1), fault_injector=lambda i: faults.get(i)
+    )
+    teacher = TinyTeacher()
+    for update_index in range(5):
+        trained_before = _params(distiller.trained_drafter)
+        serving_before = _params(drafter)
+        state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in distiller.optimizer.state.items()}
+        version = distiller.weight_version
+        distiller.observe(teacher.canvas(generator))
+        published = distiller.barrier()
+        if update_index in faults:
+            assert not published and distiller.weight_version == version
+            assert _equal(_params(distiller.trained_drafter), trained_before)
+            assert _equal(_params(drafter), serving_before)
+            state_after = {id(p): s for p, s in distiller.optimizer.state.items()}
+            assert state_after.keys() == state_before.keys()
+            for key, saved in state_before.items():
+                assert all(torch.equal(saved[k], state_after[key][k]) for k in saved)
+        else:
+            assert published and not _equal(_params(drafter), serving_before)
+    assert distiller.stats.num_updates == 3 and distiller.stats.num_skipped_updates == 2
+    assert sum("skipped and rolled back" in r.message for r in caplog.records) == 2
+    assert all(torch.isfinite(p).all() for _, p in drafter.trainable_named_parameters())
+
+
+def test_freeze_counts_rounds_and_never_updates(generator):
+    drafter = TinyDrafter()
+    base = _params(drafter)
+    distiller = Distiller(drafter, _config(freeze=True), executor=SyncExecutor())
+    submitted = [distiller.observe(random_canvas(generator)) for _ in range(20)]
+    published = [distiller.barrier() for _ in range(3)]
+    assert not any(submitted) and not any(published)
+    assert distiller.stats.rounds == 20 and distiller.stats.num_updates == 0
+    assert distiller.executor.totals.num_completed == 0
+    assert _equal(_params(drafter), base) and distiller.weight_version == 0
+
+
+def test_trainable_prefixes_select_what_moves(generator):
+    drafter = TinyDrafter()
+    base = _params(drafter)
+    distiller = Distiller(drafter, _config(lr=1e-2, trainable=("mlp.",)))
+    distiller.observe(TinyTeacher().canvas(generator))
+    distiller.barrier()
+    after = _params(drafter)
+    changed = {n for n in base if not torch.equal(base[n], after[n])}
+    assert changed and all(n.startswith("mlp.") for n in changed)
+    # The frozen LM head is shared with the training copy, not duplicated.
+    assert distiller.trained_drafter.lm_head.weight is drafter.lm_head.weight
+    with pytest.raises(TTSConfigError, match="selects none"):
+        Distiller(TinyDrafter(), _config(trainable=("nope.",)))
+
+
+def test_canvas_without_valid_positions_is_not_an_update(generator):
+    drafter = TinyDrafter()
+    base = _params(drafter)
+    distiller = Distiller(drafter, _config())
+    canvas = random_canvas(generator)
+    canvas.valid[:] = False
+    distiller.observe(canvas)
+    assert not distiller.barrier()
+    assert distiller.stats.num_empty_updates == 1 and distiller.stats.num_updates == 0
+    assert _equal(_params(drafter), base)
+    assert set(distiller.stats.snapshot()) >= {"rounds", "num_updates", "wait_ms_total", "weight_version"}

@@ -1,0 +1,47 @@
+"""Visibility rules of the torch-native TARGET_VERIFY attention, against hand-built masks."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from sglang_tts.platform.cpu.attention import _sdpa, target_verify_mask
+
+
+def test_chain_is_causal_over_drafts_and_sees_whole_prefix():
+    spec = SimpleNamespace(tree_topk=1, custom_mask=None)
+    m = target_verify_mask(prefix_len=3, n=4, spec_info=spec, request_index=0, bidirectional=False)
+    assert m.shape == (4, 7)
+    assert m[:, :3].all()
+    assert torch.equal(m[:, 3:], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def test_tree_uses_the_requests_own_qlen_block():
+    n = 3
+    # request 0: a chain; request 1: root with two children (1 and 2 both see only the root and themselves)
+    r0 = torch.ones(n, n, dtype=torch.bool).tril()
+    r1 = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    spec = SimpleNamespace(tree_topk=2, custom_mask=torch.cat([r0.flatten(), r1.flatten()]))
+    m = target_verify_mask(prefix_len=2, n=n, spec_info=spec, request_index=1, bidirectional=False)
+    assert m[:, :2].all()
+    assert torch.equal(m[:, 2:], r1)
+
+
+def test_bidirectional_block_sees_everything():
+    spec = SimpleNamespace(tree_topk=1, custom_mask=None)
+    assert target_verify_mask(5, 4, spec, 0, bidirectional=True).all()
+
+
+def test_sdpa_matches_explicit_softmax_attention_with_gqa_and_mask():
+    torch.manual_seed(0)
+    n, L, hq, hkv, d = 3, 5, 4, 2, 8
+    q, k, v = torch.randn(n, hq, d), torch.randn(L, hkv, d), torch.randn(L, hkv, d)
+    mask = torch.rand(n, L) > 0.3
+    mask[:, 0] = True
+    out = _sdpa(q, k, v, mask, scale=0.5, gqa=True)
+    kk, vv = k.repeat_interleave(hq // hkv, dim=1), v.repeat_interleave(hq // hkv, dim=1)
+    scores = torch.einsum("nhd,lhd->hnl", q, kk) * 0.5
+    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
+    ref = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
