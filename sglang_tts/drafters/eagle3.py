@@ -1,0 +1,499 @@
+"""Differentiable EAGLE-3 drafter, numerically the model SGLang 0.5.23 serves for EAGLE3.
+
+Matches `sglang/srt/models/llama_eagle3.py` (LlamaModel, LlamaDecoderLayer, LlamaForCausalLMEagle3)
+on top of `sglang/srt/models/llama.py` (LlamaAttention, LlamaMLP):
+
+- Features: `fc` maps the concat of `num_aux_hidden_states` target hidden states (each
+  `target_hidden_size`, default `hidden_size`) to `hidden_size`; optional `input_norm`
+  (eagle_config.norm_before_fc: one RMSNorm over the concat) then `fc_norm` (per-chunk RMSNorm,
+  `fc_norm`/`use_aux_norm`) come first (llama_eagle3.py:LlamaModel.forward). SGLang applies `fc`
+  only when the incoming hidden is not already `hidden_size` wide; that is how a recycled draft
+  hidden skips it.
+- Layer 0 (llama_eagle3.py:LlamaDecoderLayer.forward, is_input_layer): residual = hidden;
+  attention input = cat[input_layernorm(embed), hidden_norm(hidden)] (2H wide, embed first);
+  then `post_attention_layernorm(attn + residual)`, SwiGLU MLP. Later layers (num_hidden_layers > 1)
+  take `hidden_norm(h + residual)` (H wide) and never use their embedding.
+- Attention (llama.py:LlamaAttention): q/k/v with no bias (the EAGLE-3 layer overrides qkv_proj
+  with bias=False), o_proj with bias iff `attention_bias` or `bias`; RoPE from rope_theta /
+  rope_scaling / rope_parameters, head_dim from config or H / heads, neox style unless
+  `rope_is_neox_style` is false; GQA; scale head_dim ** -0.5.
+- Output: `norm(h + residual)` feeds the LM head over the draft vocabulary; the hidden recycled
+  into the next draft step is the pre-norm sum `h + residual` unless `norm_output` (then the
+  normed one) (llama_eagle3.py:LlamaModel.forward, "aux").
+- Vocabulary: `lm_head` [draft_vocab_size, H]; draft id i is target id i + d2t[i]
+  (LlamaForCausalLMEagle3.load_weights: hot_token_id = d2t + arange). `draft_vocab_size` absent:
+  the LM head is the target's (load_lm_head_from_target) and the vocabularies coincide.
+- Embedding: always the target's (eagle_worker_v2.py:init_lm_head -> set_embed), except when
+  `target_hidden_size` differs from `hidden_size` (llama.py:LlamaForCausalLM.set_embed keeps the
+  draft's own `embed_tokens.weight`). Either way it is frozen here.
+
+Positions (eagle_worker_v2.py:EagleDraftWorker.draft_forward, eagle_worker_common.py:
+prepare_for_draft / prepare_for_draft_extend): a draft row that consumes the hidden of the token at
+position p and the embedding of the token at p + 1 runs RoPE at position p. In canvas terms
+(`positions[:, k]` = position of `input_ids[:, k]`), canvas position k uses RoPE position
+`positions[:, k] - 1`. Every method here takes the positions of the *embedded* tokens and subtracts
+one itself.
+
+Chain unroll (topk = 1, what SGLang's multi-step draft computes; see `canvas_hidden`): canvas
+position 0 is the last row of SGLang's draft extend (target feature of x_{t-1}, embedding of x_t);
+position k > 0 is draft step k (its own recycled hidden from position k - 1, embedding of d_k).
+Each position attends to `past_kv` (earlier context, the draft-extend rows already in SGLang's
+draft KV cache) and to canvas positions 0..k.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang_tts.core.canvas import Canvas
+from sglang_tts.drafters.common import (
+    KVCache,
+    RMSNorm,
+    RopeSpec,
+    Rotary,
+    SwiGLUMLP,
+    UnsupportedDrafterConfigError,
+    append_kv,
+    check_past,
+    detach_kv,
+    head_dim_of,
+    masked_attention,
+    split_heads,
+)
+
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
+# Old checkpoint names -> module names (llama_eagle3.py:LlamaForCausalLMEagle3.load_weights).
+LEGACY_NAMES = {
+    "midlayer": "layers.0",
+    "aux_norm_low": "fc_norm.0",
+    "aux_norm_mid": "fc_norm.1",
+    "aux_norm_high": "fc_norm.2",
+}
+# EAGLE-3 training recipe (SafeAILab/EAGLE traineagle3/main.py, SpecForge ploss_decay).
+EAGLE3_POSITION_DECAY = 0.8
+
+
+@dataclass
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_hidden_layers: int
+    rms_norm_eps: float
+    vocab_size: int
+    draft_vocab_size: int
+    lm_head_from_target: bool  # draft_vocab_size absent: SGLang loads the LM head from the target
+    target_hidden_size: int
+    num_aux_hidden_states: int
+    aux_layer_ids: list[int] | None  # eagle_config.eagle_aux_hidden_state_layer_ids (output-of-layer ids)
+    norm_before_fc: bool
+    fc_norm: bool
+    norm_output: bool
+    fc_bias: bool
+    o_proj_bias: bool
+    rope: RopeSpec
+
+    @property
+    def own_embedding(self) -> bool:
+        """SGLang keeps the draft's own embedding only when it cannot share the target's."""
+        return self.target_hidden_size != self.hidden_size
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> Eagle3Config:
+        """Read the fields `llama_eagle3.py` reads; refuse what this copy does not implement."""
+        if cfg.get("tie_word_embeddings", False):
+            raise UnsupportedDrafterConfigError(
+                "EAGLE-3 with tie_word_embeddings=true (LM head = embedding) is not supported"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedDrafterConfigError(f"hidden_act {cfg.get('hidden_act')!r}: only silu is supported")
+        if cfg.get("model_type") == "llama4_text":
+            raise UnsupportedDrafterConfigError("llama4_text EAGLE-3 drafters are not supported")
+        eagle_config = cfg.get("eagle_config") or {}
+        if not eagle_config.get("use_aux_hidden_state", True):
+            raise UnsupportedDrafterConfigError("eagle_config.use_aux_hidden_state=false is not supported")
+        aux_ids = eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        num_aux = cfg.get("num_aux_hidden_states")
+        if num_aux is None:
+            num_aux = len(aux_ids) if aux_ids else 3
+        hidden = int(cfg["hidden_size"])
+        target_hidden = int(cfg.get("target_hidden_size") or hidden)
+        if target_hidden * int(num_aux) == hidden:
+            # llama_eagle3.py applies fc only when the feature width differs from hidden_size.
+            raise UnsupportedDrafterConfigError(
+                "num_aux_hidden_states * target_hidden_size == hidden_size: SGLang would skip fc on target features"
+            )
+        draft_vocab = cfg.get("draft_vocab_size")
+        heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise UnsupportedDrafterConfigError(f"num_attention_heads {heads} not a multiple of kv heads {kv_heads}")
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim_of(cfg),
+            num_hidden_layers=int(cfg.get("num_hidden_layers", 1)),
+            rms_norm_eps=float(cfg["rms_norm_eps"]),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(draft_vocab) if draft_vocab is not None else int(cfg["vocab_size"]),
+            lm_head_from_target=draft_vocab is None,
+            target_hidden_size=target_hidden,
+            num_aux_hidden_states=int(num_aux),
+            aux_layer_ids=[int(i) for i in aux_ids] if aux_ids else None,
+            norm_before_fc=bool(eagle_config.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+            fc_norm=bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
+            norm_output=bool(cfg.get("norm_output", False)),
+            fc_bias=bool(cfg.get("bias", False)),
+            o_proj_bias=bool(cfg.get("attention_bias", False) or cfg.get("bias", False)),
+            rope=RopeSpec.from_config(cfg, default_max_position=8192),
+        )
+
+
+@dataclass
+class Eagle3Output:
+    hidden: torch.Tensor  # [B, T, H] normed, what the LM head reads
+    aux: torch.Tensor  # [B, T, H] the hidden recycled into the next draft step
+    kv: KVCache  # this call's K/V per layer, [B, H_kv, T, D] (rotated keys)
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config, in_features: int) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope_positions: torch.Tensor,
+        rotary: Rotary,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        visible: torch.Tensor,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        q = rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), rope_positions)
+        k = rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), rope_positions)
+        v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
+        keys, values = k, v
+        if past is not None:
+            keys = torch.cat((past[0].to(k.dtype), k), dim=2)
+            values = torch.cat((past[1].to(v.dtype), v), dim=2)
+        out = masked_attention(q, keys, values, visible, self.scale)
+        return self.o_proj(out), (k, v)
+
+
+class Eagle3Layer(nn.Module):
+    """llama_eagle3.py:LlamaDecoderLayer; layer 0 is the 2H-wide input layer."""
+
+    def __init__(self, cfg: Eagle3Config, layer_id: int) -> None:
+        super().__init__()
+        self.is_input_layer = layer_id == 0
+        h = cfg.hidden_size
+        self.self_attn = Eagle3Attention(cfg, 2 * h if self.is_input_layer else h)
+        self.mlp = SwiGLUMLP(h, cfg.intermediate_size)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        # Layers > 0 own an input_layernorm in SGLang too, but never call it: not built here.
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps) if self.is_input_layer else None
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope_positions: torch.Tensor,
+        rotary: Rotary,
+        past: tuple[torch.Tensor, torch.Tensor] | None,
+        visible: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        if self.is_input_layer:
+            residual = hidden
+            x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        else:
+            x, residual = self.hidden_norm(hidden, residual)
+        attn_out, kv = self.self_attn(x, rope_positions, rotary, past, visible)
+        x, residual = self.post_attention_layernorm(attn_out, residual)
+        return self.mlp(x), residual, kv
+
+
+class Eagle3Drafter(nn.Module):
+    """Trainable EAGLE-3 drafter (DifferentiableDrafter). Module names are the checkpoint's
+    `layers.0.*` layout, so `state_dict()` is a loadable EAGLE-3 checkpoint (plus d2t/t2d)."""
+
+    kind = "eagle3"
+
+    def __init__(
+        self,
+        cfg: Eagle3Config,
+        target_embedding: torch.Tensor | None = None,
+        target_lm_head: torch.Tensor | None = None,
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        feature_width = cfg.target_hidden_size * cfg.num_aux_hidden_states
+        self.input_norm = RMSNorm(feature_width, cfg.rms_norm_eps) if cfg.norm_before_fc else None
+        self.fc_norm = (
+            nn.ModuleList(RMSNorm(cfg.target_hidden_size, cfg.rms_norm_eps) for _ in range(cfg.num_aux_hidden_states))
+            if cfg.fc_norm
+            else None
+        )
+        self.fc = nn.Linear(feature_width, h, bias=cfg.fc_bias)
+        self.layers = nn.ModuleList(Eagle3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.rope)
+        self.lm_head = None if cfg.lm_head_from_target else nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        # d2t: draft id -> target id offset; t2d: which target ids the draft vocabulary covers.
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+        # Borrowed, frozen tensors: buffers (not parameters) so no optimiser can ever see them,
+        # non-persistent so state_dict() stays a drafter checkpoint.
+        self.register_buffer("embed_weight", None, persistent=False)
+        self.register_buffer("borrowed_lm_head", None, persistent=False)
+        self.attach_target(target_embedding, target_lm_head)
+
+    # ------------------------------------------------------------------ set-up
+
+    def attach_target(self, embedding: torch.Tensor | None, lm_head: torch.Tensor | None = None) -> None:
+        """Borrow the target's embedding (and LM head when draft_vocab_size is absent)."""
+        if embedding is not None:
+            if tuple(embedding.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
+                raise ValueError(
+                    f"embedding {tuple(embedding.shape)} != (vocab_size, hidden_size) "
+                    f"{(self.cfg.vocab_size, self.cfg.hidden_size)}"
+                )
+            self.embed_weight = embedding.detach()
+        if lm_head is not None and self.cfg.lm_head_from_target:
+            if tuple(lm_head.shape) != (self.cfg.vocab_size, self.cfg.hidden_size):
+                raise ValueError(f"target lm_head {tuple(lm_head.shape)} does not fit the drafter")
+            self.borrowed_lm_head = lm_head.detach()
+
+    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """Load an EAGLE-3 checkpoint's tensors (either `midlayer.*` or `layers.N.*` layout).
+
+        Name handling follows llama_eagle3.py:LlamaForCausalLMEagle3.load_weights: `midlayer` ->
+        `layers.0`, `aux_norm_{low,mid,high}` -> `fc_norm.{0,1,2}`, optional `model.` prefix.
+        `d2t` is required unless the draft vocabulary is the full target vocabulary; `t2d` is
+        rebuilt from `d2t` when absent. Returns the names that were ignored.
+        """
+        own = self.state_dict()
+        loaded: set[str] = set()
+        ignored: list[str] = []
+        for raw_name, tensor in weights.items():
+            name = raw_name.removeprefix("model.")
+            for old, new in LEGACY_NAMES.items():
+                name = name.replace(old, new)
+            if name == "embed_tokens.weight":
+                if self.cfg.own_embedding:
+                    self.attach_target(tensor)
+                else:
+                    ignored.append(raw_name)  # SGLang replaces it with the target's embedding
+                continue
+            if name not in own:
+                ignored.append(raw_name)  # e.g. unused layers.N.input_layernorm (N > 0), rotary caches
+                continue
+            if tuple(tensor.shape) != tuple(own[name].shape):
+                shapes = f"{tuple(tensor.shape)} != model {tuple(own[name].shape)}"
+                raise ValueError(f"{raw_name}: checkpoint shape {shapes}")
+            with torch.no_grad():
+                own[name].copy_(tensor)
+            loaded.add(name)
+        if "d2t" in loaded and "t2d" not in loaded:
+            t2d = torch.zeros_like(self.t2d)
+            t2d[self.draft_to_target_ids()] = True
+            self.t2d.copy_(t2d)
+            loaded.add("t2d")
+        if self.cfg.own_embedding and self.embed_weight is None:
+            raise ValueError("EAGLE-3 checkpoint with target_hidden_size != hidden_size must ship embed_tokens.weight")
+        if "d2t" not in loaded and self.cfg.draft_vocab_size != self.cfg.vocab_size:
+            raise ValueError("EAGLE-3 checkpoint has a reduced draft vocabulary but no d2t tensor")
+        missing = sorted(set(own) - loaded - {"d2t", "t2d"})
+        if missing:
+            raise ValueError(f"EAGLE-3 checkpoint is missing {missing}")
+        if not bool(self.t2d[self.draft_to_target_ids()].all()):
+            raise ValueError("EAGLE-3 checkpoint d2t/t2d disagree: some draft ids map outside t2d")
+        return ignored
+
+    # ------------------------------------------------------------------ pieces
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        """[draft_vocab_size] target id of every draft id (SGLang's hot_token_id)."""
+        return torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_weight is None:
+            raise RuntimeError("Eagle3Drafter has no embedding: pass the target's (attach_target)")
+        return F.embedding(input_ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """Target aux features [..., F] -> drafter hidden [..., H] (norm_before_fc, fc_norm, fc)."""
+        x = features.to(self.fc.weight.dtype)
+        if self.input_norm is not None:
+            x = self.input_norm(x)
+        if self.fc_norm is not None:
+            chunks = x.chunk(self.cfg.num_aux_hidden_states, dim=-1)
+            x = torch.cat([norm(chunk) for norm, chunk in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(x)
+
+    def _run_rows(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope_positions: torch.Tensor,
+        past_kv: KVCache | None,
+        past_mask: torch.Tensor | None,
+        row_mask: torch.Tensor | None = None,
+    ) -> Eagle3Output:
+        """T rows [B, T, H] through all layers. Rows see the valid past and earlier valid rows
+        (causal in row order) and always themselves."""
+        b, t, _ = embeds.shape
+        device = embeds.device
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
+        if row_mask is None:
+            row_mask = torch.ones(b, t, dtype=torch.bool, device=device)
+        visible = (causal[None] & row_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]
+        if past_kv is not None:
+            visible = torch.cat((past_mask[:, None, :].expand(b, t, -1), visible), dim=-1)
+        residual = None
+        new_kv: KVCache = []
+        for i, layer in enumerate(self.layers):
+            hidden, residual, kv = layer(
+                embeds, hidden, residual, rope_positions, self.rotary, past_kv[i] if past_kv else None, visible
+            )
+            new_kv.append(kv)
+        normed, summed = self.norm(hidden, residual)
+        return Eagle3Output(hidden=normed, aux=normed if self.cfg.norm_output else summed, kv=new_kv)
+
+    # ------------------------------------------------------------------ SGLang-shaped entry points
+
+    def extend(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        past_kv: KVCache | None = None,
+        past_mask: torch.Tensor | None = None,
+        row_mask: torch.Tensor | None = None,
+    ) -> Eagle3Output:
+        """SGLang's draft extend over L context rows (eagle_worker_v2.py:_draft_extend_for_*).
+
+        Row j consumes the target feature of the token before `input_ids[:, j]` (`features[:, j]`,
+        [B, L, F]) and the embedding of `input_ids[:, j]`, at RoPE position `positions[:, j] - 1`;
+        rows attend causally to each other and to `past_kv`. `row_mask` [B, L] marks real rows.
+        """
+        past_mask = check_past(past_kv, past_mask, len(self.layers), input_ids.shape[0])
+        return self._run_rows(
+            self.embed(input_ids), self.project_features(features), positions - 1, past_kv, past_mask, row_mask
+        )
+
+    @torch.no_grad()
+    def kv_for_context(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        past_kv: KVCache | None = None,
+        past_mask: torch.Tensor | None = None,
+        row_mask: torch.Tensor | None = None,
+    ) -> KVCache:
+        """Detached K/V of context rows, the `past_kv` a canvas carries (same arguments as `extend`)."""
+        return detach_kv(self.extend(input_ids, features, positions, past_kv, past_mask, row_mask).kv)
+
+    def draft_step(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        past_kv: KVCache | None = None,
+        past_mask: torch.Tensor | None = None,
+    ) -> Eagle3Output:
+        """One chain draft step for [B] tokens at positions [B].
+
+        `hidden` is [B, F] target features (projected through fc) or [B, H] a recycled draft
+        hidden (used as is), the same width test SGLang's LlamaModel.forward makes.
+        """
+        past_mask = check_past(past_kv, past_mask, len(self.layers), input_ids.shape[0])
+        if hidden.shape[-1] == self.fc.in_features:
+            hidden = self.project_features(hidden)
+        elif hidden.shape[-1] != self.cfg.hidden_size:
+            raise ValueError(f"hidden width {hidden.shape[-1]} is neither features nor drafter hidden")
+        return self._run_rows(
+            self.embed(input_ids[:, None]),
+            hidden[:, None].to(self.fc.weight.dtype),
+            positions[:, None] - 1,
+            past_kv,
+            past_mask,
+        )
+
+    # ------------------------------------------------------------------ DifferentiableDrafter
+
+    def canvas_hidden(self, canvas: Canvas) -> torch.Tensor:
+        """Normed hidden [B, C, H] of the chain unroll over the canvas (module docstring).
+
+        Gradients flow through the whole unroll: the recycled hidden and the canvas positions'
+        own K/V keep their graph (as in EAGLE-3's training-time test); `past_kv` is detached.
+        """
+        b, c = canvas.input_ids.shape
+        if canvas.features.shape != (b, self.fc.in_features):
+            expected = f"[B, {self.fc.in_features}]"
+            raise ValueError(f"EAGLE-3 canvas.features must be {expected}, got {tuple(canvas.features.shape)}")
+        cache = canvas.past_kv
+        cache_mask = check_past(cache, canvas.past_mask, len(self.layers), b)
+        if cache is not None:
+            cache = detach_kv(cache)
+        embeds = self.embed(canvas.input_ids)
+        rope_positions = canvas.positions - 1
+        hidden = self.project_features(canvas.features)[:, None]
+        outputs = []
+        for k in range(c):
+            step = self._run_rows(embeds[:, k : k + 1], hidden, rope_positions[:, k : k + 1], cache, cache_mask)
+            outputs.append(step.hidden)
+            hidden = step.aux
+            cache = append_kv(cache, step.kv)
+            own = torch.ones(b, 1, dtype=torch.bool, device=embeds.device)
+            cache_mask = own if cache_mask is None else torch.cat((cache_mask, own), dim=1)
+        return torch.cat(outputs, dim=1)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        if self.lm_head is not None:
+            return self.lm_head.weight
+        if self.borrowed_lm_head is None:
+            raise RuntimeError("this EAGLE-3 drafter uses the target's LM head: pass it (attach_target)")
+        return self.borrowed_lm_head.to(self.fc.weight.dtype)
+
+    def canvas_logits(self, canvas: Canvas) -> torch.Tensor:
+        """Logits [B, C, draft_vocab_size]; draft id i means target id `draft_to_target_ids()[i]`."""
+        return self.canvas_hidden(canvas) @ self.lm_head_weight().T
+
+    def teacher_probs(self, canvas: Canvas) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target distribution restricted to the draft vocabulary and renormalised, [B, C, V_draft],
+        and the mask t2d[argmax target] (EAGLE-3 traineagle3/cnets.py: positions whose target top-1
+        lies outside the draft vocabulary are dropped). softmax over the gathered logits equals
+        the full softmax gathered and renormalised."""
+        logits = canvas.target_logits.float()
+        if logits.shape[-1] != self.cfg.vocab_size:
+            raise ValueError(f"target_logits vocab {logits.shape[-1]} != drafter target vocab {self.cfg.vocab_size}")
+        probs = torch.softmax(logits[..., self.draft_to_target_ids()], dim=-1)
+        mask = self.t2d[logits.argmax(dim=-1)]
+        return probs, mask
+
+    def default_position_weights(self, length: int) -> torch.Tensor:
+        """w_k = 0.8 ** (k - 1), k = 1..length (EAGLE-3 ploss_weight)."""
+        return EAGLE3_POSITION_DECAY ** torch.arange(length, dtype=torch.float32)
+
+    def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if p.requires_grad]

@@ -1,0 +1,102 @@
+"""Shared layers: RoPE against transformers' independent implementation, RMSNorm, attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_tts.drafters.common import RMSNorm, RopeSpec, Rotary, UnsupportedDrafterConfigError, masked_attention
+
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING])
+def test_inverse_frequencies_match_transformers(scaling):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.configuration_llama import LlamaConfig
+
+    cfg = {
+        "hidden_size": 256,
+        "num_attention_heads": 4,
+        "head_dim": 64,
+        "max_position_embeddings": 512,
+        "rope_theta": 500000.0,
+    }
+    if scaling is not None:
+        cfg["rope_scaling"] = dict(scaling)
+    hf = LlamaConfig(**cfg)
+    if scaling is None:
+        expected = 1.0 / (500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float) / 64))
+    else:
+        expected, _ = ROPE_INIT_FUNCTIONS["llama3"](hf, "cpu")
+    # Both the v4 (rope_theta + rope_scaling) and v5 (rope_parameters) spellings parse the same.
+    for spelling in (cfg, {k: v for k, v in hf.to_dict().items() if k not in ("rope_theta", "rope_scaling")}):
+        spec = RopeSpec.from_config(spelling, default_max_position=8192)
+        torch.testing.assert_close(spec.inv_freq(), expected.float())
+
+
+def test_rotary_depends_on_relative_position_only_and_preserves_norms():
+    torch.manual_seed(0)
+    for neox in (True, False):
+        rotary = Rotary(RopeSpec(head_dim=16, rotary_dim=16, theta=10000.0, neox_style=neox))
+        q, k = torch.randn(1, 2, 1, 16), torch.randn(1, 2, 1, 16)
+
+        def score(pq: int, pk: int, rotary=rotary, q=q, k=k) -> torch.Tensor:
+            return (rotary(q, torch.tensor([[pq]])) * rotary(k, torch.tensor([[pk]]))).sum(-1)
+
+        torch.testing.assert_close(score(7, 3), score(104, 100), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(score(7, 3), score(7, 5), atol=1e-4)
+        torch.testing.assert_close(rotary(q, torch.tensor([[9]])).norm(dim=-1), q.norm(dim=-1))
+    neox = Rotary(RopeSpec(16, 16, 10000.0, neox_style=True))(q, torch.tensor([[5]]))
+    gptj = Rotary(RopeSpec(16, 16, 10000.0, neox_style=False))(q, torch.tensor([[5]]))
+    assert not torch.allclose(neox, gptj)
+
+
+def test_partial_rotary_and_linear_scaling():
+    x = torch.randn(1, 1, 2, 16)
+    partial = Rotary(
+        RopeSpec.from_config(
+            {"hidden_size": 64, "num_attention_heads": 4, "partial_rotary_factor": 0.5}, default_max_position=8192
+        )
+    )
+    out = partial(x, torch.tensor([[3, 8]]))
+    torch.testing.assert_close(out[..., 8:], x[..., 8:])  # the non-rotary half passes through
+    linear_cfg = {"hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {"type": "linear", "factor": 4.0}}
+    linear = Rotary(RopeSpec.from_config(linear_cfg, default_max_position=8192))
+    plain = Rotary(RopeSpec(16, 16, 10000.0))
+    torch.testing.assert_close(linear(x, torch.tensor([[8, 12]])), plain(x, torch.tensor([[2, 3]])))
+    with pytest.raises(UnsupportedDrafterConfigError, match="dynamic"):
+        RopeSpec.from_config(
+            {"hidden_size": 64, "num_attention_heads": 4, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            default_max_position=8192,
+        )
+
+
+def test_rmsnorm_fused_residual():
+    norm = RMSNorm(8, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.linspace(0.5, 1.5, 8))
+    x, r = torch.randn(3, 8), torch.randn(3, 8)
+    normed, summed = norm(x, r)
+    torch.testing.assert_close(summed, x + r)
+    s = x + r
+    torch.testing.assert_close(normed, s / s.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * norm.weight)
+
+
+def test_grouped_query_attention_uses_kv_head_of_its_group():
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, 2, 8)
+    k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 3, 8)
+    visible = torch.tensor([[[True, True, False], [True, True, True]]])
+    out = masked_attention(q, k, v, visible, 8**-0.5).view(1, 2, 4, 8)
+    for head in range(4):
+        kv = head // 2
+        scores = (q[0, head] @ k[0, kv].T) * 8**-0.5
+        scores = scores.masked_fill(~visible[0], float("-inf"))
+        torch.testing.assert_close(out[0, :, head], torch.softmax(scores, -1) @ v[0, kv])

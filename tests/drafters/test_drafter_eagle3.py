@@ -1,0 +1,252 @@
+"""EAGLE-3 drafter: checkpoint round trips, gradients, the chain unroll, teacher and vocab maps."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from sglang_tts.core.drafter_api import DifferentiableDrafter
+from sglang_tts.drafters import Eagle3Drafter, UnsupportedDrafterConfigError, load_drafter
+from sglang_tts.drafters.common import append_kv
+from sglang_tts.drafters.loading import load_checkpoint_tensors, read_config
+from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+
+
+@pytest.mark.parametrize("layout", ["midlayer", "layers.0"])
+@pytest.mark.parametrize("fmt", ["safetensors", "bin"])
+def test_checkpoint_round_trip(tmp_path, llama_target, make_target_tensors, layout, fmt):
+    path = write_tiny_eagle3(tmp_path / "ckpt", llama_target, layout=layout, fmt=fmt, draft_vocab_size=80, seed=3)
+    assert (path / ("model.safetensors" if fmt == "safetensors" else "pytorch_model.bin")).is_file()
+    cfg = read_config(path)
+    # What SGLang's EAGLE3 loader and aux-capture setup read.
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert cfg["draft_vocab_size"] == 80 and cfg["vocab_size"] == llama_target["vocab_size"]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+    raw = load_checkpoint_tensors(path)
+    assert any(k.startswith(layout + ".") for k in raw)
+    drafter = load_drafter(path, target_embedding=make_target_tensors(llama_target)[0], target_config=llama_target)
+    state = drafter.state_dict()
+    for name, tensor in raw.items():
+        own = name.replace("midlayer", "layers.0")
+        assert own in state, name
+        assert torch.equal(state[own], tensor), name
+    assert set(state) == {n.replace("midlayer", "layers.0") for n in raw}
+    assert drafter.fc.weight.shape == (64, 3 * 64)
+    assert drafter.layers[0].self_attn.q_proj.weight.shape == (4 * 16, 2 * 64)
+    assert drafter.lm_head.weight.shape == (80, 64)
+
+
+def test_layouts_give_the_same_model(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
+    embedding = make_target_tensors(llama_target)[0]
+    a = load_drafter(write_tiny_eagle3(tmp_path / "a", llama_target, layout="midlayer"), target_embedding=embedding)
+    b = load_drafter(
+        write_tiny_eagle3(tmp_path / "b", llama_target, layout="layers.0", fmt="bin"), target_embedding=embedding
+    )
+    canvas = make_eagle3_inputs(a)["canvas"]
+    torch.testing.assert_close(a.canvas_hidden(canvas), b.canvas_hidden(canvas), rtol=0, atol=0)
+
+
+def test_gradients_reach_every_trainable_param_and_not_the_embedding(eagle3, make_eagle3_inputs):
+    assert isinstance(eagle3, DifferentiableDrafter) and eagle3.kind == "eagle3"
+    canvas = make_eagle3_inputs(eagle3)["canvas"]
+    eagle3.zero_grad(set_to_none=True)
+    logits = eagle3.canvas_logits(canvas)
+    assert logits.shape == (2, 4, eagle3.cfg.draft_vocab_size)
+    (logits * torch.randn_like(logits)).sum().backward()
+    names = {n for n, _ in eagle3.trainable_named_parameters()}
+    assert "fc.weight" in names and "lm_head.weight" in names and "norm.weight" in names
+    assert not any("embed" in n for n in names)
+    for name, param in eagle3.trainable_named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+    assert eagle3.embed_weight is not None and not eagle3.embed_weight.requires_grad
+    assert eagle3.embed_weight.grad is None
+
+
+def _stepwise(drafter: Eagle3Drafter, canvas) -> torch.Tensor:
+    """The chain as SGLang runs it: one draft step at a time, K/V cache grown from its own output."""
+    cache, mask = canvas.past_kv, canvas.past_mask
+    hidden = canvas.features  # step 0 takes target features, later steps the recycled hidden
+    outs = []
+    for k in range(canvas.length):
+        step = drafter.draft_step(canvas.input_ids[:, k], hidden, canvas.positions[:, k], cache, mask)
+        outs.append(step.hidden)
+        hidden = step.aux[:, 0]
+        cache = append_kv(cache, [(key.detach(), value.detach()) for key, value in step.kv])
+        mask = torch.cat((mask, torch.ones(canvas.batch_size, 1, dtype=torch.bool)), dim=1)
+    return torch.cat(outs, dim=1)
+
+
+def test_chain_unroll_equals_step_by_step(eagle3, make_eagle3_inputs):
+    canvas = make_eagle3_inputs(eagle3, length=5)["canvas"]
+    with torch.no_grad():
+        torch.testing.assert_close(eagle3.canvas_hidden(canvas), _stepwise(eagle3, canvas))
+
+
+def test_first_position_is_the_last_draft_extend_row(eagle3, make_eagle3_inputs):
+    """Canvas position 0 with past_kv from kv_for_context == the last row of one causal extend
+    over context + anchor (what SGLang's draft extend computes in parallel)."""
+    inputs = make_eagle3_inputs(eagle3)
+    canvas = inputs["canvas"]
+    with torch.no_grad():
+        extended = eagle3.extend(
+            torch.cat((inputs["ctx_ids"], canvas.input_ids[:, :1]), dim=1),
+            torch.cat((inputs["ctx_feat"], canvas.features[:, None]), dim=1),
+            torch.cat((inputs["ctx_pos"], canvas.positions[:, :1]), dim=1),
+        )
+        torch.testing.assert_close(eagle3.canvas_hidden(canvas)[:, 0], extended.hidden[:, -1])
+
+
+def test_extend_is_causal(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
+    """A draft-extend row never sees later rows: a prefix of the rows gives the same outputs and
+    (with 2 layers, where K/V depend on attention) the same K/V."""
+    path = write_tiny_eagle3(tmp_path / "e2", llama_target, layout="layers.0", num_layers=2)
+    drafter = load_drafter(path, target_embedding=make_target_tensors(llama_target)[0])
+    inputs = make_eagle3_inputs(drafter)
+    ids, feats, pos = inputs["ctx_ids"], inputs["ctx_feat"], inputs["ctx_pos"]
+    with torch.no_grad():
+        full = drafter.extend(ids, feats, pos)
+        prefix = drafter.extend(ids[:, :3], feats[:, :3], pos[:, :3])
+    torch.testing.assert_close(prefix.hidden, full.hidden[:, :3])
+    torch.testing.assert_close(prefix.kv[1][0], full.kv[1][0][:, :, :3])
+
+
+def test_only_relative_positions_matter_and_they_are_used(eagle3, make_eagle3_inputs):
+    inputs = make_eagle3_inputs(eagle3)
+    canvas = inputs["canvas"]
+    shifted_past = eagle3.kv_for_context(inputs["ctx_ids"], inputs["ctx_feat"], inputs["ctx_pos"] + 17)
+    with torch.no_grad():
+        base = eagle3.canvas_hidden(canvas)
+        shifted = eagle3.canvas_hidden(replace(canvas, positions=canvas.positions + 17, past_kv=shifted_past))
+        moved = eagle3.canvas_hidden(replace(canvas, positions=canvas.positions + 3))
+    torch.testing.assert_close(shifted, base, rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(moved, base, atol=1e-4)
+
+
+def test_masked_past_entries_are_ignored(eagle3, make_eagle3_inputs):
+    inputs = make_eagle3_inputs(eagle3)
+    canvas = inputs["canvas"]
+    # Keep context rows 0, 2, 4 only: once by masking, once by never computing 1 and 3.
+    keep = torch.tensor([True, False, True, False, True])
+    with torch.no_grad():
+        masked = eagle3.canvas_hidden(replace(canvas, past_mask=keep.expand(2, 5).clone()))
+        sub_kv = [(k[:, :, keep], v[:, :, keep]) for k, v in canvas.past_kv]
+        dropped = eagle3.canvas_hidden(replace(canvas, past_kv=sub_kv, past_mask=None))
+        full = eagle3.canvas_hidden(canvas)
+    torch.testing.assert_close(masked, dropped)
+    assert not torch.allclose(masked, full, atol=1e-4)
+
+
+def test_recycled_hidden_is_prenorm_unless_norm_output(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
+    embedding = make_target_tensors(llama_target)[0]
+    path = write_tiny_eagle3(tmp_path / "e", llama_target)
+    plain = load_drafter(path, target_embedding=embedding)
+    canvas = make_eagle3_inputs(plain)["canvas"]
+    with torch.no_grad():
+        step = plain.draft_step(canvas.input_ids[:, 0], canvas.features, canvas.positions[:, 0], canvas.past_kv)
+        assert not torch.allclose(step.aux, step.hidden, atol=1e-3)
+        torch.testing.assert_close(plain.norm(step.aux), step.hidden)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, norm_output=True)))
+    normed = load_drafter(path, target_embedding=embedding)
+    with torch.no_grad():
+        step = normed.draft_step(canvas.input_ids[:, 0], canvas.features, canvas.positions[:, 0], canvas.past_kv)
+        torch.testing.assert_close(step.aux, step.hidden)
+        # A different recycled hidden changes every later position, not the first.
+        a, b = plain.canvas_hidden(canvas), normed.canvas_hidden(canvas)
+    torch.testing.assert_close(a[:, 0], b[:, 0])
+    assert not torch.allclose(a[:, 1:], b[:, 1:], atol=1e-4)
+
+
+def test_two_layer_drafter_unrolls_and_trains(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
+    path = write_tiny_eagle3(tmp_path / "e2", llama_target, layout="layers.0", num_layers=2)
+    drafter = load_drafter(path, target_embedding=make_target_tensors(llama_target)[0], target_config=llama_target)
+    assert drafter.layers[1].self_attn.q_proj.in_features == 64 and drafter.layers[1].input_layernorm is None
+    canvas = make_eagle3_inputs(drafter)["canvas"]
+    assert len(canvas.past_kv) == 2
+    with torch.no_grad():
+        torch.testing.assert_close(drafter.canvas_hidden(canvas), _stepwise(drafter, canvas))
+    drafter.canvas_logits(canvas).square().mean().backward()
+    for name, param in drafter.trainable_named_parameters():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+
+
+def test_teacher_probs_on_draft_vocab(eagle3, make_eagle3_inputs):
+    canvas = make_eagle3_inputs(eagle3)["canvas"]
+    ids = eagle3.draft_to_target_ids()
+    outside = torch.nonzero(~eagle3.t2d).flatten()
+    logits = canvas.target_logits.clone()
+    logits[0, 0, ids[5]] = 50.0  # top-1 inside the draft vocab
+    logits[0, 1, outside[0]] = 50.0  # top-1 outside: the position is dropped
+    probs, mask = eagle3.teacher_probs(replace(canvas, target_logits=logits))
+    assert probs.shape == (2, 4, eagle3.cfg.draft_vocab_size)
+    torch.testing.assert_close(probs.sum(-1), torch.ones(2, 4))
+    full = torch.softmax(logits, dim=-1)[..., ids]
+    torch.testing.assert_close(probs, full / full.sum(-1, keepdim=True))
+    assert bool(mask[0, 0]) and not bool(mask[0, 1])
+    torch.testing.assert_close(mask, eagle3.t2d[logits.argmax(-1)])
+    assert int(probs[0, 0].argmax()) == 5
+
+
+def test_draft_vocab_maps_are_consistent(tmp_path, eagle3, llama_target, make_target_tensors):
+    ids = eagle3.draft_to_target_ids()
+    assert eagle3.d2t.dtype == torch.int64 and eagle3.t2d.dtype == torch.bool
+    assert bool(eagle3.t2d[ids].all()) and int(eagle3.t2d.sum()) == eagle3.cfg.draft_vocab_size
+    assert bool((ids[1:] > ids[:-1]).all())  # sorted, distinct target ids
+    # A checkpoint without t2d gets it rebuilt from d2t; a d2t leaving t2d is rejected.
+    path = write_tiny_eagle3(tmp_path / "e", llama_target)
+    tensors = load_checkpoint_tensors(path)
+    drafter = Eagle3Drafter(eagle3.cfg)
+    drafter.load_checkpoint_weights({k: v for k, v in tensors.items() if k != "t2d"})
+    assert torch.equal(drafter.t2d, tensors["t2d"])
+    bad_t2d = tensors["t2d"].clone()
+    bad_t2d[int(tensors["d2t"][0])] = False
+    with pytest.raises(ValueError, match="d2t/t2d"):
+        Eagle3Drafter(eagle3.cfg).load_checkpoint_weights(dict(tensors, t2d=bad_t2d))
+
+
+def test_default_position_weights(eagle3):
+    torch.testing.assert_close(eagle3.default_position_weights(4), torch.tensor([1.0, 0.8, 0.64, 0.512]))
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ({"tie_word_embeddings": True}, "tie_word_embeddings"),
+        ({"hidden_act": "gelu"}, "silu"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [1], "use_aux_hidden_state": True}}, "skip fc"),
+    ],
+)
+def test_unsupported_flags_raise(tmp_path, llama_target, make_target_tensors, override, message):
+    path = write_tiny_eagle3(tmp_path / "e", llama_target)
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(cfg, **override)))
+    with pytest.raises(UnsupportedDrafterConfigError, match=message):
+        load_drafter(path, target_embedding=make_target_tensors(llama_target)[0])
+
+
+def test_norm_before_fc_and_fc_norm_are_loaded_and_trained(
+    tmp_path, llama_target, make_target_tensors, make_eagle3_inputs
+):
+    path = write_tiny_eagle3(tmp_path / "e", llama_target)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eagle_config"]["norm_before_fc"] = True
+    cfg["fc_norm"] = True
+    (path / "config.json").write_text(json.dumps(cfg))
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(path / "model.safetensors"))
+    tensors["input_norm.weight"] = torch.full((192,), 2.0)
+    for i, legacy in enumerate(("aux_norm_low", "aux_norm_mid", "aux_norm_high")):
+        tensors[f"{legacy}.weight"] = torch.full((64,), 1.0 + i)
+    save_file(tensors, str(path / "model.safetensors"))
+    drafter = load_drafter(path, target_embedding=make_target_tensors(llama_target)[0])
+    assert torch.equal(drafter.input_norm.weight, torch.full((192,), 2.0))
+    assert torch.equal(drafter.fc_norm[2].weight, torch.full((64,), 3.0))
+    canvas = make_eagle3_inputs(drafter)["canvas"]
+    drafter.canvas_hidden(canvas).sum().backward()
+    assert drafter.input_norm.weight.grad is not None and drafter.fc_norm[1].weight.grad is not None
