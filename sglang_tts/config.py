@@ -38,6 +38,11 @@ class TTSConfig:
     # Name prefixes of drafter parameters to train; None: all trainable drafter parameters.
     trainable: tuple[str, ...] | None = None
     loss_backend: LossBackend = "auto"
+    # Canvas positions the loss uses. "accepted": the accepted path plus the next position (whose
+    # target distribution the first rejected draft should have matched); positions after a rejection
+    # are conditioned on a rejected token, and training on them slowed adaptation down badly in our
+    # replay of served canvases (README). "full": every drafted position of a chain (paper's sum).
+    canvas: Literal["accepted", "full"] = "accepted"
     # Log a summary line every this many rounds (0: never).
     log_interval: int = 50
     # Record per-round accepted lengths for requests that ask for them (meta_info).
@@ -60,6 +65,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-optimizer must be adam, adamw or sgd, got {self.optimizer!r}")
         if self.loss_backend not in ("auto", "naive", "chunked", "triton"):
             raise TTSConfigError(f"--tts-loss-backend must be auto|naive|chunked|triton, got {self.loss_backend!r}")
+        if self.canvas not in ("accepted", "full"):
+            raise TTSConfigError(f"--tts-canvas must be 'accepted' or 'full', got {self.canvas!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise TTSConfigError("--tts-max-grad-norm must be > 0 (or omitted)")
         if self.position_weights is not None:

@@ -43,3 +43,23 @@ def tiny_eagle3(tiny_dir, tiny_llama) -> pathlib.Path:
 
     target_config = json.loads((tiny_llama / "config.json").read_text())
     return write_tiny_eagle3(tiny_dir / "tiny-eagle3", target_config, layout="midlayer")
+
+
+@pytest.fixture(scope="session")
+def loopy_llama(tiny_dir) -> pathlib.Path:
+    """A nearly-bigram tiny Llama whose greedy output falls into a short cycle (long repetitive
+    outputs: the regime where test-time adaptation shows within a few hundred tokens)."""
+    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+
+    return write_tiny_target(tiny_dir / "loopy-llama", TinyTargetSpec(layer_std=0.02, init_std=0.6, seed=3))
+
+
+@pytest.fixture(scope="session")
+def loopy_eagle3(tiny_dir, loopy_llama) -> pathlib.Path:
+    """A random EAGLE-3 drafter for loopy_llama over the full vocabulary."""
+    import json
+
+    from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+
+    target_config = json.loads((loopy_llama / "config.json").read_text())
+    return write_tiny_eagle3(tiny_dir / "loopy-eagle3", target_config, layout="layers.0", draft_vocab_size=1024)

@@ -118,12 +118,13 @@ def _load_fused_kernel(backend: str):
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """ "auto" -> "triton" on CUDA (if importable), else "naive"; other names pass through."""
+    """ "auto" -> "triton" on CUDA (if importable), else the memory-efficient "chunked" PyTorch path
+    (which falls back to "naive" only if triton_kernels cannot be imported); other names pass through."""
     if backend != "auto":
         return backend
     if device.type == "cuda" and _load_fused_kernel("triton") is not None:
         return "triton"
-    return "naive"
+    return "chunked"
 
 
 def compute_loss(
@@ -135,33 +136,37 @@ def compute_loss(
     prev_logits: torch.Tensor | None = None,
     reg_lambda: float = 0.0,
     backend: str = "naive",
-    chunk_size: int = 1024,
 ) -> LossOutput:
     """TTS loss from final hidden states [B, C, H] and the LM head [V, H], by backend.
 
-    The fused kernel receives the mask folded into [B, C] weights, pre-divided by B, and is
-    expected to return sum_{b,k} w_bk (KL(p||q) + lambda KL(q_t||q)) (a scalar, or a tuple whose
-    first item is that scalar and, optionally, the next two the unscaled KL terms).
+    "naive" materialises the logits and uses `tts_loss`; "chunked" / "triton" call
+    `triton_kernels.fused_linear_kl` on the flattened positions, with the mask folded into the
+    per-position weights (pre-divided by B, the same normalisation as `tts_loss`).
     """
     backend = resolve_backend(backend, hidden.device)
     if backend in ("chunked", "triton"):
         fused_linear_kl = _load_fused_kernel(backend)
         if fused_linear_kl is not None:
-            batch = hidden.shape[0]
+            batch, length, width = hidden.shape
             w = position_weight_matrix(weights, mask) / batch
             prev_probs = None
             if prev_logits is not None and reg_lambda > 0.0:
-                prev_probs = torch.softmax(prev_logits.detach().float(), dim=-1)
-            p = torch.where(mask.unsqueeze(-1), teacher_probs, 0.0)
-            result = fused_linear_kl(
-                hidden, lm_head_weight, p, w, prev_probs=prev_probs, reg_lambda=reg_lambda, chunk_size=chunk_size
+                prev_probs = torch.softmax(prev_logits.detach().float(), dim=-1).reshape(batch * length, -1)
+            p = torch.where(mask.unsqueeze(-1), teacher_probs, 0.0).reshape(batch * length, -1)
+            loss = fused_linear_kl(
+                hidden.reshape(batch * length, width),
+                lm_head_weight,
+                p,
+                w.reshape(-1),
+                prev_probs=prev_probs,
+                reg_lambda=reg_lambda,
+                backend=backend,
             )
-            parts = result if isinstance(result, (tuple, list)) else (result,)
+            # The fused kernels return the total only; without the regulariser it is the KL term.
             nan = torch.full((), math.nan, device=hidden.device)
-            kl_teacher = parts[1].detach() if len(parts) > 1 else nan
-            kl_reg = parts[2].detach() if len(parts) > 2 else nan
-            return LossOutput(parts[0], kl_teacher, kl_reg, int(mask.sum()))
-    elif backend != "naive":
+            kl_teacher = loss.detach() if prev_probs is None else nan
+            return LossOutput(loss, kl_teacher, nan, int(mask.sum()))
+    if backend not in ("naive", "chunked", "triton"):
         raise ValueError(f"unknown TTS loss backend {backend!r}")
     logits = hidden @ lm_head_weight.t()
     return tts_loss(logits, teacher_probs, weights, mask, prev_logits, reg_lambda)

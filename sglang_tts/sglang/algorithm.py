@@ -1,0 +1,164 @@
+"""`--speculative-algorithm TTS`: registration with SGLang's speculative-algorithm registry.
+
+TTS is not a new drafting scheme: it runs EAGLE-3 (tree drafting) or DFlash (block drafting)
+exactly as SGLang does and adapts the drafter between rounds. So the registered algorithm
+behaves, towards every `is_*()` / `supports_*()` branch in SGLang, like the builtin its drafter
+needs (EAGLE3 or DFLASH), and only its worker class differs. The drafter kind is read from the
+draft checkpoint's config.json at launch, validated against the target, and passed to SGLang's
+scheduler processes through the environment (they are started after validation).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from sglang_tts.drafters.loading import IncompatibleDrafterError, check_compatible, drafter_kind
+
+logger = logging.getLogger(__name__)
+
+ALGORITHM_NAME = "TTS"
+KIND_ENV = "SGLANG_TTS_DRAFTER_KIND"
+_BUILTIN_FOR_KIND = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+# SpeculativeAlgorithm methods that are worth running with TTS as `self` (their own is_* calls then
+# dispatch to our delegating predicates) rather than on the builtin member.
+_SHARED_METHODS = (
+    "carries_draft_hidden_states",
+    "create_future_map",
+    "build_disagg_draft_input",
+    "need_topk",
+    "has_draft_kv",
+    "resolve_max_speculative_num_draft_tokens",
+    "get_num_tokens_per_req_for_target_verify",
+)
+
+
+class TTSLaunchError(ValueError):
+    """A TTS launch problem (missing or incompatible drafter, bad flag); raised before serving."""
+
+
+def current_kind() -> str:
+    return os.environ.get(KIND_ENV, "eagle3")
+
+
+def builtin_algorithm():
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+    return SpeculativeAlgorithm[_BUILTIN_FOR_KIND[current_kind()]]
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise TTSLaunchError(f"{path} not found") from None
+    except json.JSONDecodeError as e:
+        raise TTSLaunchError(f"{path} is not valid JSON: {e}") from None
+
+
+def resolve_drafter(draft_path: str | None, target_path: str | None) -> str:
+    """Validate the drafter for TTS and return its kind ("eagle3" | "dflash")."""
+    if not draft_path:
+        raise TTSLaunchError(
+            "--speculative-algorithm TTS needs --speculative-draft-model-path (an EAGLE-3 or DFlash drafter)"
+        )
+    draft_dir = Path(draft_path)
+    if not (draft_dir / "config.json").exists():
+        raise TTSLaunchError(
+            f"TTS drafter {draft_path!r}: no config.json (only local checkpoint folders are supported)"
+        )
+    try:
+        kind = drafter_kind(draft_dir)
+    except (IncompatibleDrafterError, ValueError) as e:
+        raise TTSLaunchError(f"TTS drafter {draft_path!r}: {e}") from None
+    if target_path and (Path(target_path) / "config.json").exists():
+        try:
+            check_compatible(_read_json(draft_dir / "config.json"), _read_json(Path(target_path) / "config.json"))
+        except IncompatibleDrafterError as e:
+            raise TTSLaunchError(f"TTS drafter {draft_path!r} does not fit target {target_path!r}: {e}") from None
+    return kind
+
+
+def validate_server_args(server_args) -> None:
+    """Run by SGLang at argument resolution, in the launching process, before any worker starts."""
+    from sglang_tts.sglang.flags import tts_config_from_env
+
+    tts_config_from_env()  # re-validates what the flags recorded
+    kind = resolve_drafter(
+        getattr(server_args, "speculative_draft_model_path", None), getattr(server_args, "model_path", None)
+    )
+    if kind == "dflash":
+        raise TTSLaunchError(
+            "TTS with a DFlash drafter is not available yet (EAGLE-3 drafters are); "
+            "serve this drafter frozen with --speculative-algorithm DFLASH"
+        )
+    os.environ[KIND_ENV] = kind
+    logger.info("sglang-tts: TTS with a %s drafter", kind)
+
+
+def make_spec_class():
+    """A CustomSpecAlgo subclass that answers every SGLang predicate like the builtin of the drafter's kind."""
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import CustomSpecAlgo
+
+    namespace: dict[str, Any] = {"__doc__": "TTS: the builtin drafting algorithm plus online drafter adaptation."}
+
+    def delegate_to_builtin(name: str):
+        def method(self, *args, **kwargs):
+            return getattr(builtin_algorithm(), name)(*args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    for name in vars(SpeculativeAlgorithm):
+        if name.startswith(("is_", "supports_")) and name not in ("is_some", "is_none", "is_speculative"):
+            namespace[name] = delegate_to_builtin(name)
+    for name in _SHARED_METHODS:
+        if name in vars(SpeculativeAlgorithm):
+            namespace[name] = vars(SpeculativeAlgorithm)[name]
+
+    def handle_server_args(self, server_args) -> None:
+        # The builtin's defaults and checks (steps/topk/draft tokens, CPU overlap rules, ...).
+        builtin_algorithm().handle_server_args(server_args)
+
+    namespace["handle_server_args"] = handle_server_args
+    return type("TTSSpecAlgo", (CustomSpecAlgo,), namespace)
+
+
+def worker_factory(server_args):
+    if current_kind() == "dflash":
+        from sglang_tts.sglang.dflash_worker import TTSDFlashWorker
+
+        return TTSDFlashWorker
+    from sglang_tts.sglang.eagle_worker import TTSEagleWorker
+
+    return TTSEagleWorker
+
+
+_registered = False
+
+
+def register_tts_algorithm() -> None:
+    """Register TTS (idempotent) and the --tts-* flags; called by the plugin in every process."""
+    global _registered
+    if _registered:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+    from sglang.srt.speculative.spec_registry import get_spec
+
+    from sglang_tts.sglang import flags, metrics
+
+    if get_spec(ALGORITHM_NAME) is None:
+        SpeculativeAlgorithm.register(
+            ALGORITHM_NAME,
+            supports_overlap=True,
+            spec_class=make_spec_class(),
+            validate_server_args=validate_server_args,
+        )(worker_factory)
+    HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
+    metrics.register_hooks(HookRegistry, HookType)
+    _registered = True

@@ -1,0 +1,181 @@
+"""TTSEagleWorker: SGLang's EAGLE-3 worker (EAGLEWorkerV2) plus test-time drafter adaptation.
+
+Drafting, verification and draft-extend are SGLang's own, untouched: outputs are exactly what
+stock EAGLE3 produces for the same drafter weights (lossless by construction). TTS adds:
+- before each decode round's draft: the scope check (reset) and the CPU-side barrier that
+  publishes a finished update into SGLang's draft model in place (`param.copy_`, so captured
+  CUDA graphs stay valid);
+- after each verify: capture of the canvas (drafted path, the target's logits there, the anchor
+  feature, the drafter's cached K/V of the context) and the hand-off to the update schedule;
+- per-request counters written into `req.customized_info`, which SGLang forwards to meta_info.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+from sglang_tts.core.publish import WeightPublisher, stacked_name_map
+from sglang_tts.drafters.loading import load_drafter
+from sglang_tts.sglang import metrics
+from sglang_tts.sglang.capture import build_canvas, path_rows
+from sglang_tts.sglang.flags import tts_config_from_env
+from sglang_tts.sglang.runtime import TTSRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def _target_embedding(target_worker) -> torch.Tensor:
+    model = target_worker.model_runner.model
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
+    return embed.weight
+
+
+def _draft_publisher(drafter, draft_model) -> WeightPublisher:
+    """Bind SGLang's draft-model parameters (fused qkv / gate_up, `model.` prefix) to ours."""
+    trained = dict(drafter.trainable_named_parameters())
+    serving = {}
+    for name, param in draft_model.named_parameters():
+        name = name.removeprefix("model.")
+        tensor = param.data
+        if name in trained and tensor.shape[0] > trained[name].shape[0] and tensor.shape[1:] == trained[name].shape[1:]:
+            # SGLang pads vocab-parallel heads to a multiple of 64 rows: publish into the real rows only.
+            tensor = tensor[: trained[name].shape[0]]
+        serving[name] = tensor
+    name_map = stacked_name_map(serving, trained)
+    unbound = sorted(set(trained) - {s for srcs in name_map.values() for s in srcs})
+    if unbound:
+        raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
+    return WeightPublisher.from_name_map(serving, trained, name_map)
+
+
+class TTSEagleWorker(EAGLEWorkerV2):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        config = tts_config_from_env()
+        draft_model = self.draft_worker.draft_runner.model
+        target_config = json.loads((Path(server_args.model_path) / "config.json").read_text())
+        with torch.inference_mode(False):
+            embedding = _target_embedding(self.target_worker).detach().clone().float()
+            drafter = load_drafter(
+                server_args.speculative_draft_model_path, target_embedding=embedding, target_config=target_config
+            )
+            drafter.to(self.device)
+            self.tts = TTSRuntime(drafter, config, _draft_publisher(drafter, draft_model), self.device)
+        self.tts.metrics = metrics.scheduler_metrics()
+        self._draft_layers = [
+            m.attn for m in draft_model.modules() if hasattr(m, "attn") and hasattr(m.attn, "layer_id")
+        ]
+        logger.info(
+            "sglang-tts: TTS on EAGLE-3 (stride %d, lr %g, scope %s, %s, %d trainable tensors)",
+            config.update_stride,
+            config.lr,
+            config.scope,
+            "frozen" if config.freeze else ("sync" if config.sync else "async"),
+            len(self.tts.distiller.train_params),
+        )
+
+    # --- SGLang entry points --------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        if is_decode and not batch.forward_mode.is_idle():
+            self.tts.before_draft([req.rid for req in batch.reqs])
+        return super().forward_batch_generation(
+            batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
+        )
+
+    def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
+        verify_input = batch.spec_info
+        seq_lens = batch.seq_lens.tolist() if not batch.forward_mode.is_idle() else []
+        result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
+        if not batch.forward_mode.is_idle():
+            try:
+                self._after_verify(batch, verify_input, result, seq_lens)
+            except Exception:  # noqa: BLE001 - TTS must never take a response down with it
+                logger.exception("sglang-tts: capture failed; this round is not used for adaptation")
+        return result
+
+    def _forward_prefill_batch(self, batch, *args, **kwargs):
+        result = super()._forward_prefill_batch(batch, *args, **kwargs)
+        try:
+            self._remember_prefill_anchors(batch, result)
+        except Exception:  # noqa: BLE001 - a missing anchor only costs the first round's canvas
+            logger.debug("sglang-tts: no prefill anchor features", exc_info=True)
+        return result
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def _remember_prefill_anchors(self, batch, result) -> None:
+        """The first decode round's anchor is the target feature of the last prompt token."""
+        hidden = result.logits_output.hidden_states
+        if hidden is None or batch.forward_mode.is_idle():
+            return
+        extend_lens = list(batch.extend_lens)
+        if hidden.shape[0] == len(batch.reqs):
+            last_rows = list(range(len(batch.reqs)))
+        elif hidden.shape[0] == sum(extend_lens):
+            ends = torch.tensor(extend_lens).cumsum(0) - 1
+            last_rows = ends.tolist()
+        else:
+            return
+        # A chunked prefill's intermediate chunk is overwritten by the chunk that ends the prompt.
+        for req, row in zip(batch.reqs, last_rows):
+            self.tts.remember_anchor(req.rid, hidden[row])
+
+    def _past_kv(self, batch, seq_lens):
+        req_to_token = self.req_to_token_pool.req_to_token
+        pool = self.draft_worker.draft_runner.token_to_kv_pool
+        pool_indices = batch.req_pool_indices.tolist()
+
+        def read(r: int):
+            # Drafter K/V of every position before the anchor (index seq_len - 1 is recomputed).
+            slots = req_to_token[pool_indices[r], : max(seq_lens[r] - 1, 0)].long()
+            layers = []
+            for attn in self._draft_layers:
+                k = pool.get_key_buffer(attn.layer_id)[slots]
+                v = pool.get_value_buffer(attn.layer_id)[slots]
+                layers.append((k.transpose(0, 1), v.transpose(0, 1)))
+            return layers
+
+        return read
+
+    def _after_verify(self, batch, verify_input, result, seq_lens) -> None:
+        n = self.speculative_num_draft_tokens
+        accept_lens = result.accept_lens.tolist()
+        rids = [req.rid for req in batch.reqs]
+        rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
+        anchors = [self.tts.anchor_features.get(rid) for rid in rids]
+        canvas = None
+        if not self.tts.config.freeze or self.tts.check_fallback:
+            canvas = build_canvas(
+                request_ids=rids,
+                rows=rows,
+                draft_tokens=verify_input.draft_token,
+                target_logits=result.logits_output.next_token_logits,
+                seq_lens=seq_lens,
+                anchor_features=anchors,
+                past_kv=self._past_kv(batch, seq_lens),
+                num_accepted=[a - 1 for a in accept_lens],
+                round_index=self.tts.distiller.stats.rounds,
+                device=self.tts.distiller.device,
+            )
+        self.tts.observe(canvas, dict(zip(rids, accept_lens)))
+
+        # The next round's canvas starts from the feature of the last accepted node
+        # (the accepted path is compacted to the front of each block after verify).
+        hidden = result.logits_output.hidden_states
+        if hidden is not None:
+            for r, rid in enumerate(rids):
+                self.tts.remember_anchor(rid, hidden[r * n + accept_lens[r] - 1])
+        digest = None
+        for r, req in enumerate(batch.reqs):
+            if metrics.wants_weight_digest(req):
+                digest = digest or self.tts.serving_digest()
+            metrics.write_request_info(
+                req, self.tts.counters(rids[r]), accept_lens[r], digest if metrics.wants_weight_digest(req) else None
+            )

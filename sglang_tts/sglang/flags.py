@@ -1,0 +1,122 @@
+"""The `--tts-*` launch flags, added to SGLang's own argument parser.
+
+SGLang's ServerArgs is a closed dataclass, so TTS flags cannot be fields of it. Instead an AFTER
+hook on `ServerArgs.add_cli_args` adds an argument group whose argparse actions validate each
+value at parse time (a bad value is an argparse error at launch, naming the flag) and record it
+in the environment variable SGLANG_TTS_CONFIG (JSON). The environment is inherited by SGLang's
+scheduler processes, which read it back with `tts_config_from_env()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+from typing import Any
+
+from sglang_tts.config import TTSConfig, TTSConfigError
+
+ENV_VAR = "SGLANG_TTS_CONFIG"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _float_list(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _str_list(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
+# flag -> (TTSConfig field, argparse kwargs)
+FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "--tts-update-stride": ("update_stride", {"type": _positive_int, "help": "Update the drafter every S rounds."}),
+    "--tts-lr": ("lr", {"type": float, "help": "Learning rate of the online update."}),
+    "--tts-reg-lambda": ("reg_lambda", {"type": float, "help": "Weight of KL(q_t || q) (matters when K > 1)."}),
+    "--tts-steps-per-update": ("steps_per_update", {"type": _positive_int, "help": "Optimizer steps per update."}),
+    "--tts-scope": ("scope", {"choices": ["request", "global"], "help": "When the adapted drafter resets."}),
+    "--tts-sync": ("sync", {"nargs": 0, "help": "Run updates on the serving thread/stream (comparison)."}),
+    "--tts-freeze": ("freeze", {"nargs": 0, "help": "Same code path, never update: the frozen baseline."}),
+    "--tts-optimizer": ("optimizer", {"choices": ["adam", "adamw", "sgd"], "help": "torch.optim optimizer."}),
+    "--tts-max-grad-norm": ("max_grad_norm", {"type": float, "help": "Gradient clipping norm."}),
+    "--tts-position-weights": ("position_weights", {"type": _float_list, "help": "w_1,...,w_C (default: recipe)."}),
+    "--tts-trainable": ("trainable", {"type": _str_list, "help": "Comma-separated parameter name prefixes."}),
+    "--tts-loss-backend": ("loss_backend", {"choices": ["auto", "naive", "chunked", "triton"], "help": "Loss kernel."}),
+    "--tts-canvas": ("canvas", {"choices": ["accepted", "full"], "help": "Canvas positions the loss uses."}),
+    "--tts-log-interval": ("log_interval", {"type": int, "help": "Log a TTS summary every N rounds (0: off)."}),
+}
+
+
+def _read_env() -> dict[str, Any]:
+    raw = os.environ.get(ENV_VAR)
+    return json.loads(raw) if raw else {}
+
+
+def _write_env(values: dict[str, Any]) -> None:
+    os.environ[ENV_VAR] = json.dumps(values)
+
+
+class _RecordTTSFlag(argparse.Action):
+    """Stores the flag in the namespace and in SGLANG_TTS_CONFIG, validating the whole config."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        field = FLAGS[option_string or self.option_strings[0]][0]
+        value = True if self.nargs == 0 else values
+        setattr(namespace, self.dest, value)
+        recorded = _read_env()
+        recorded[field] = list(value) if isinstance(value, tuple) else value
+        try:
+            config_from_values(recorded)
+        except TTSConfigError as e:
+            parser.error(str(e))
+        _write_env(recorded)
+
+
+def add_tts_cli_args(parser: argparse.ArgumentParser) -> None:
+    if any(opt in parser._option_string_actions for opt in FLAGS):
+        return
+    if multiprocessing.parent_process() is None:
+        # A new parse in the launching process starts from defaults, not from an earlier parse.
+        reset_env()
+    group = parser.add_argument_group("Test-Time Speculation (sglang-tts; with --speculative-algorithm TTS)")
+    for flag, (field, kwargs) in FLAGS.items():
+        metavar = None if kwargs.get("nargs") == 0 or "choices" in kwargs else field.upper()
+        group.add_argument(flag, dest=f"tts_{field}", metavar=metavar, action=_RecordTTSFlag, default=None, **kwargs)
+
+
+def add_cli_args_hook(result, parser, *args, **kwargs):
+    """AFTER hook on ServerArgs.add_cli_args."""
+    add_tts_cli_args(parser)
+    return result
+
+
+def config_from_values(values: dict[str, Any]) -> TTSConfig:
+    known = {f.name for f in dataclasses.fields(TTSConfig)}
+    unknown = set(values) - known
+    if unknown:
+        raise TTSConfigError(f"unknown TTS settings: {sorted(unknown)}")
+    converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    return TTSConfig(**converted).validate()
+
+
+def tts_config_from_env() -> TTSConfig:
+    """The TTS config this server was launched with (defaults where no flag was given)."""
+    return config_from_values(_read_env())
+
+
+def reset_env() -> None:
+    os.environ.pop(ENV_VAR, None)

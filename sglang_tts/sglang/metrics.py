@@ -1,0 +1,152 @@
+"""Observability: per-request TTS counters in meta_info, and server-wide Prometheus metrics.
+
+Per request, the worker writes token-aligned lists into `req.customized_info` (SGLang's own
+channel from scheduler to meta_info, sliced by output token, so streaming works too):
+- `tts_num_updates`, `tts_num_skipped_updates`, `tts_update_ms`, `tts_fallback_checked/_mismatches`:
+  cumulative values at each token; a tokenizer-side hook turns them into the final scalar.
+- `tts_accept_lengths` (only when the request sets `custom_params.tts_return_accept_lengths`):
+  the accepted length of each verify round, bonus token included (SGLang's convention).
+  Per token the value is the round's length at the round's first token and None elsewhere; the
+  hook drops the Nones, leaving one entry per round.
+Server-wide (with --enable-metrics): counters and histograms named `sglang_tts:*`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+SCALAR_KEYS = (
+    "tts_num_updates",
+    "tts_num_skipped_updates",
+    "tts_update_ms",
+    "tts_fallback_checked",
+    "tts_fallback_mismatches",
+)
+ACCEPT_KEY = "tts_accept_lengths"
+REQUEST_FLAG = "tts_return_accept_lengths"
+# sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
+# audits: proves that weights changed during a request and were reset to base bitwise after it).
+DIGEST_FLAG = "tts_return_weight_digest"
+DIGEST_START, DIGEST_END = "tts_weight_digest_start", "tts_weight_digest_end"
+
+
+def _custom_flag(req, flag: str) -> bool:
+    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
+    return bool(custom.get(flag))
+
+
+def wants_weight_digest(req) -> bool:
+    return _custom_flag(req, DIGEST_FLAG)
+
+
+def write_request_info(req, counters, accept_len: int, digest: str | None = None) -> None:
+    """Append this round's values for the `accept_len` tokens it produced."""
+    if req.customized_info is None:
+        req.customized_info = {}
+    info = req.customized_info
+    values = {
+        "tts_num_updates": counters.num_updates,
+        "tts_num_skipped_updates": counters.num_skipped_updates,
+        "tts_update_ms": round(counters.update_ms, 3),
+        "tts_fallback_checked": counters.fallback_checked,
+        "tts_fallback_mismatches": counters.fallback_mismatches,
+    }
+    if digest is not None:
+        if counters.digest_start is None:
+            counters.digest_start = digest
+        values[DIGEST_START] = counters.digest_start
+        values[DIGEST_END] = digest
+    # Align with the request's output tokens: SGLang slices these lists by token offset.
+    already = len(req.output_ids) if req.output_ids is not None else 0
+    for key, value in values.items():
+        column = info.setdefault(key, [])
+        if len(column) < already:
+            column.extend([value] * (already - len(column)))
+        column.extend([value] * accept_len)
+    if _custom_flag(req, REQUEST_FLAG):
+        column = info.setdefault(ACCEPT_KEY, [])
+        if len(column) < already:
+            column.extend([None] * (already - len(column)))
+        column.extend([accept_len] + [None] * (accept_len - 1))
+
+
+def finalize_meta_info(meta_info: dict) -> None:
+    for key in SCALAR_KEYS:
+        values = meta_info.get(key)
+        if isinstance(values, list):
+            present = [v for v in values if v is not None]
+            meta_info[key] = present[-1] if present else 0
+    for key in (DIGEST_START, DIGEST_END):
+        values = meta_info.get(key)
+        if isinstance(values, list):
+            present = [v for v in values if v is not None]
+            meta_info[key] = (present[0] if key == DIGEST_START else present[-1]) if present else None
+    values = meta_info.get(ACCEPT_KEY)
+    if isinstance(values, list):
+        meta_info[ACCEPT_KEY] = [v for v in values if v is not None]
+
+
+def update_request_meta_info_hook(original, manager, meta_info, *args, **kwargs):
+    """AROUND hook on TokenizerManager.update_request_meta_info."""
+    out = original(manager, meta_info, *args, **kwargs)
+    finalize_meta_info(meta_info)
+    return out
+
+
+class SchedulerMetrics:
+    """Prometheus metrics of one scheduler process (SGLang runs prometheus_client in multiprocess mode)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.rounds = Counter("sglang_tts:rounds_total", "Verify rounds seen by TTS")
+        self.accepted_tokens = Counter("sglang_tts:accepted_tokens_total", "Tokens emitted by TTS rounds (bonus incl.)")
+        self.updates = Counter("sglang_tts:updates_total", "Drafter updates applied")
+        self.skipped = Counter("sglang_tts:skipped_updates_total", "Updates skipped and rolled back (NaN/Inf/error)")
+        self.resets = Counter("sglang_tts:resets_total", "Drafter resets to base weights (scope ends)")
+        self.update_seconds = Histogram(
+            "sglang_tts:update_seconds",
+            "Time of one drafter update",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5),
+        )
+        self.kl = Gauge(
+            "sglang_tts:last_kl", "KL(target || drafter) of the last update", multiprocess_mode="mostrecent"
+        )
+        self.wait_seconds = Counter("sglang_tts:barrier_wait_seconds_total", "Time serving waited at the barrier")
+        self._last_wait_ms = 0.0
+
+    def observe_round(self, accept_lengths: dict[str, int]) -> None:
+        self.rounds.inc(len(accept_lengths))
+        self.accepted_tokens.inc(sum(accept_lengths.values()))
+
+    def observe_update(self, applied: int, skipped: int, ms: float, stats) -> None:
+        if applied:
+            self.updates.inc(applied)
+            self.update_seconds.observe(ms / 1000.0 / max(applied, 1))
+            self.kl.set(stats.last_kl_teacher)
+        if skipped:
+            self.skipped.inc(skipped)
+        self.wait_seconds.inc(max(stats.wait_ms_total - self._last_wait_ms, 0.0) / 1000.0)
+        self._last_wait_ms = stats.wait_ms_total
+
+
+def scheduler_metrics() -> SchedulerMetrics | None:
+    """Metrics only where SGLang collects them (--enable-metrics sets up the multiprocess dir)."""
+    if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        return None
+    try:
+        return SchedulerMetrics()
+    except (ImportError, ValueError):
+        logger.warning("sglang-tts: Prometheus metrics unavailable", exc_info=True)
+        return None
+
+
+def register_hooks(registry, hook_type) -> None:
+    registry.register(
+        "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
+        update_request_meta_info_hook,
+        hook_type.AROUND,
+    )

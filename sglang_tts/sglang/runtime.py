@@ -1,0 +1,162 @@
+"""TTSRuntime: the per-worker glue between SGLang's rounds and the TTS core.
+
+It owns the Distiller (update schedule, executor, rollback, publishing), the adaptation scope,
+the per-request anchor features the next canvas needs, and the per-request counters reported
+in meta_info. The worker calls exactly two methods: `before_draft(request_ids)` and
+`after_verify(...)` (through the capture helpers).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_tts.config import TTSConfig
+from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.distiller import Distiller
+from sglang_tts.core.executor import make_executor
+from sglang_tts.core.publish import WeightPublisher
+from sglang_tts.core.scope import make_scope
+
+logger = logging.getLogger(__name__)
+
+# Test hook: SGLANG_TTS_FAULT="nan@2,raise@4" makes update 2 produce a NaN loss and update 4 raise.
+FAULT_ENV = "SGLANG_TTS_FAULT"
+# Numerical self-check of the differentiable fallback against SGLang's drafted tokens (topk == 1).
+CHECK_ENV = "SGLANG_TTS_CHECK_FALLBACK"
+
+
+def fault_injector_from_env():
+    spec = os.environ.get(FAULT_ENV, "").strip()
+    if not spec:
+        return None
+    faults = {}
+    for item in spec.split(","):
+        kind, _, index = item.partition("@")
+        faults[int(index)] = kind.strip()
+    return lambda update_index: faults.get(update_index)
+
+
+@dataclass
+class RequestCounters:
+    rounds: int = 0
+    num_updates: int = 0
+    num_skipped_updates: int = 0
+    update_ms: float = 0.0
+    accept_lengths: list[int] = field(default_factory=list)
+    fallback_checked: int = 0
+    fallback_mismatches: int = 0
+    digest_start: str | None = None
+
+
+class TTSRuntime:
+    def __init__(self, drafter: torch.nn.Module, config: TTSConfig, publisher: WeightPublisher | None, device):
+        self.config = config
+        self.device = torch.device(device)
+        self.executor = make_executor(self.device, config.sync)
+        self.distiller = Distiller(drafter, config, self.executor, publisher, fault_injector_from_env())
+        self.drafter = drafter
+        self.scope = make_scope(config.scope)
+        self.anchor_features: dict[str, torch.Tensor] = {}
+        self.requests: dict[str, RequestCounters] = {}
+        self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
+        self._pending_rids: list[str] = []
+        self._last_verify_version = -1
+        self.metrics = None
+
+    # --- per round --------------------------------------------------------------------------
+
+    def before_draft(self, live_request_ids: list[str]) -> None:
+        """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
+        published before this round's draft reads the weights."""
+        for rid in [r for r in self.anchor_features if r not in live_request_ids]:
+            del self.anchor_features[rid]
+        for rid in [r for r in self.requests if r not in live_request_ids]:
+            del self.requests[rid]
+        if self.scope.before_round(live_request_ids):
+            self._absorbing(self.distiller.reset)
+            if self.metrics is not None:
+                self.metrics.resets.inc()
+        self._absorbing(self.distiller.barrier)
+
+    def observe(self, canvas: Canvas | None, accept_lengths: dict[str, int]) -> None:
+        """After verify: record acceptance, hand the canvas to the update schedule."""
+        for rid, n in accept_lengths.items():
+            counters = self.requests.setdefault(rid, RequestCounters())
+            counters.rounds += 1
+            counters.accept_lengths.append(n)
+        if self.metrics is not None:
+            self.metrics.observe_round(accept_lengths)
+        if canvas is None:
+            return
+        if self.check_fallback and self._last_verify_version == self.distiller.weight_version:
+            self._check_fallback(canvas)
+        self._last_verify_version = self.distiller.weight_version
+        self.scope.contributed(canvas.request_ids)
+        rids = list(canvas.request_ids)
+        submitted = self._absorbing(lambda: self.distiller.observe(canvas))
+        if submitted:
+            self._pending_rids = rids
+
+    def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
+        self.anchor_features[rid] = feature.detach().float().cpu().clone()
+
+    def serving_digest(self) -> str:
+        """sha256 over the serving drafter's bound weights (what the next draft reads)."""
+        h = hashlib.sha256()
+        publisher = self.distiller.publisher
+        tensors = [b.dst for b in publisher.bindings] if publisher is not None else self.distiller._serving_params
+        for t in tensors:
+            h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
+        return h.hexdigest()
+
+    def counters(self, rid: str) -> RequestCounters:
+        return self.requests.setdefault(rid, RequestCounters())
+
+    def close(self) -> None:
+        self._absorbing(self.distiller.close)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _absorbing(self, fn):
+        """Call a distiller method that may collect a finished update; attribute it to the
+        requests whose canvas it trained on."""
+        stats = self.distiller.stats
+        before = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
+        out = fn()
+        after = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
+        if after != before and self._pending_rids:
+            for rid in self._pending_rids:
+                c = self.counters(rid)
+                c.num_updates += after[0] - before[0]
+                c.num_skipped_updates += after[1] - before[1]
+                c.update_ms += after[2] - before[2]
+            if self.metrics is not None:
+                self.metrics.observe_update(after[0] - before[0], after[1] - before[1], after[2] - before[2], stats)
+            self._pending_rids = []
+        return out
+
+    @torch.no_grad()
+    def _check_fallback(self, canvas: Canvas) -> None:
+        """Greedy agreement of the differentiable drafter with what SGLang's fast path drafted.
+
+        With topk == 1, SGLang's draft token d_{k+1} is the argmax of its draft logits at canvas
+        position k; the differentiable drafter, fed the same inputs and weights, must agree."""
+        with torch.inference_mode(False):
+            logits = self.drafter.canvas_logits(canvas)
+        if hasattr(self.drafter, "draft_to_target_ids"):
+            predicted = self.drafter.draft_to_target_ids()[logits.argmax(-1)]
+        else:
+            predicted = logits.argmax(-1)
+        for i, rid in enumerate(canvas.request_ids):
+            n = int(canvas.valid[i].sum())
+            if n < 2:
+                continue
+            agree = predicted[i, : n - 1] == canvas.input_ids[i, 1:n].to(predicted.device)
+            c = self.counters(rid)
+            c.fallback_checked += n - 1
+            c.fallback_mismatches += int((~agree).sum())
