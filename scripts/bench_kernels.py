@@ -22,7 +22,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -32,11 +31,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-# Allow running as a plain script from a checkout without an installed package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from triton_kernels import chunked_linear_kl, naive_linear_kl, triton_available  # noqa: E402
-from triton_kernels.memory import measure_peak_memory  # noqa: E402
+from triton_kernels import chunked_linear_kl, naive_linear_kl, triton_available
+from triton_kernels.memory import measure_peak_memory
 
 MIB = 2**20
 

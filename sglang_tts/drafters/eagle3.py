@@ -484,12 +484,14 @@ class Eagle3Drafter(nn.Module):
         and the mask t2d[argmax target] (EAGLE-3 traineagle3/cnets.py: positions whose target top-1
         lies outside the draft vocabulary are dropped). softmax over the gathered logits equals
         the full softmax gathered and renormalised."""
-        logits = canvas.target_logits.float()
+        from triton_kernels import gather_draft_probs  # fused Triton gather on CUDA, PyTorch elsewhere
+
+        logits = canvas.target_logits
         if logits.shape[-1] != self.cfg.vocab_size:
             raise ValueError(f"target_logits vocab {logits.shape[-1]} != drafter target vocab {self.cfg.vocab_size}")
-        probs = torch.softmax(logits[..., self.draft_to_target_ids()], dim=-1)
-        mask = self.t2d[logits.argmax(dim=-1)]
-        return probs, mask
+        batch, length, vocab = logits.shape
+        probs, mask = gather_draft_probs(logits.reshape(batch * length, vocab), self.d2t, self.t2d)
+        return probs.reshape(batch, length, -1), mask.reshape(batch, length)
 
     def default_position_weights(self, length: int) -> torch.Tensor:
         """w_k = 0.8 ** (k - 1), k = 1..length (EAGLE-3 ploss_weight)."""

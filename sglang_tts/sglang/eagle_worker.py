@@ -150,21 +150,25 @@ class TTSEagleWorker(EAGLEWorkerV2):
         rids = [req.rid for req in batch.reqs]
         rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
         anchors = [self.tts.anchor_features.get(rid) for rid in rids]
+        common = dict(
+            request_ids=rids,
+            draft_tokens=verify_input.draft_token,
+            target_logits=result.logits_output.next_token_logits,
+            seq_lens=seq_lens,
+            anchor_features=anchors,
+            past_kv=self._past_kv(batch, seq_lens),
+            num_accepted=[a - 1 for a in accept_lens],
+            round_index=self.tts.distiller.stats.rounds,
+            device=self.tts.distiller.device,
+        )
         canvas = None
-        if not self.tts.config.freeze or self.tts.check_fallback:
-            canvas = build_canvas(
-                request_ids=rids,
-                rows=rows,
-                draft_tokens=verify_input.draft_token,
-                target_logits=result.logits_output.next_token_logits,
-                seq_lens=seq_lens,
-                anchor_features=anchors,
-                past_kv=self._past_kv(batch, seq_lens),
-                num_accepted=[a - 1 for a in accept_lens],
-                round_index=self.tts.distiller.stats.rounds,
-                device=self.tts.distiller.device,
-            )
-        self.tts.observe(canvas, dict(zip(rids, accept_lens)))
+        if not self.tts.config.freeze:
+            canvas = build_canvas(rows=rows, **common)
+        check_canvas = None
+        if self.tts.check_fallback and self.topk == 1:
+            # The check re-predicts every drafted token, so it needs the whole chain.
+            check_canvas = build_canvas(rows=path_rows(1, n, accept_lens, result.accept_index, "full"), **common)
+        self.tts.observe(canvas, dict(zip(rids, accept_lens)), check_canvas)
 
         # The next round's canvas starts from the feature of the last accepted node
         # (the accepted path is compacted to the front of each block after verify).

@@ -83,19 +83,24 @@ class TTSRuntime:
                 self.metrics.resets.inc()
         self._absorbing(self.distiller.barrier)
 
-    def observe(self, canvas: Canvas | None, accept_lengths: dict[str, int]) -> None:
-        """After verify: record acceptance, hand the canvas to the update schedule."""
+    def observe(
+        self, canvas: Canvas | None, accept_lengths: dict[str, int], check_canvas: Canvas | None = None
+    ) -> None:
+        """After verify: record acceptance, hand the canvas to the update schedule (and, in check
+        mode, re-predict `check_canvas`'s drafted tokens with the differentiable drafter)."""
         for rid, n in accept_lengths.items():
             counters = self.requests.setdefault(rid, RequestCounters())
             counters.rounds += 1
             counters.accept_lengths.append(n)
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
+        # Exact only if no new weights were published since SGLang drafted this round's first token
+        # (in the previous round's draft-extend).
+        if check_canvas is not None and self._last_verify_version == self.distiller.weight_version:
+            self._check_fallback(check_canvas)
+        self._last_verify_version = self.distiller.weight_version
         if canvas is None:
             return
-        if self.check_fallback and self._last_verify_version == self.distiller.weight_version:
-            self._check_fallback(canvas)
-        self._last_verify_version = self.distiller.weight_version
         self.scope.contributed(canvas.request_ids)
         rids = list(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas))

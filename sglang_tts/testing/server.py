@@ -139,16 +139,23 @@ def stop_server(server: ServerProcess, timeout_s: float = 30.0) -> None:
         os.killpg(server.proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
         server.proc.wait(timeout=timeout_s)
+    # SIGKILL is delivered asynchronously and reparented children are reaped by init: wait for it.
+    deadline = time.monotonic() + timeout_s
+    while group_alive(server.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
 
 
 def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+    """Whether any live (non-zombie) process is still in process group `pgid`."""
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # fields: state, ppid, pgrp, ...
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 @contextlib.contextmanager

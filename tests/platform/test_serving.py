@@ -112,3 +112,16 @@ def test_real_smollm2_greedy_matches_hf():
         out = generate_ids(server.base_url, ids, 24)
     assert out["output_ids"] == hf_greedy(str(model), ids, 24)
     assert "Paris" in tok.decode(out["output_ids"])
+
+
+def test_stock_dflash_block_drafting_is_lossless(tiny_llama, tmp_path):
+    import json
+
+    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
+
+    target_config = json.loads((tiny_llama / "config.json").read_text())
+    drafter = write_tiny_dflash(tmp_path / "dflash", target_config, block_size=4)
+    args = ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(drafter)]
+    with sglang_server(str(tiny_llama), args) as server:
+        metas = _assert_greedy_equals_hf(server.base_url, tiny_llama, new_tokens=32)
+    assert all(m["spec_verify_ct"] > 0 for m in metas)

@@ -1,0 +1,63 @@
+"""--tts-* flags: parsed by SGLang's own parser, validated at parse time, passed on via the env."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from sglang_tts.sglang import flags
+
+
+@pytest.fixture()
+def parser(monkeypatch):
+    monkeypatch.delenv(flags.ENV_VAR, raising=False)
+    p = argparse.ArgumentParser(prog="sglang serve")
+    flags.add_tts_cli_args(p)
+    yield p
+    flags.reset_env()
+
+
+def test_defaults_without_flags(parser):
+    parser.parse_args([])
+    cfg = flags.tts_config_from_env()
+    assert (cfg.update_stride, cfg.lr, cfg.scope, cfg.freeze, cfg.canvas) == (5, 1e-4, "request", False, "accepted")
+
+
+def test_flags_reach_the_config(parser):
+    parser.parse_args(
+        ["--tts-update-stride", "2", "--tts-lr", "3e-5", "--tts-scope", "global", "--tts-freeze",
+         "--tts-position-weights", "1,0.5", "--tts-trainable", "fc,layers", "--tts-sync"]
+    )  # fmt: skip
+    cfg = flags.tts_config_from_env()
+    assert cfg.update_stride == 2 and cfg.lr == 3e-5 and cfg.scope == "global"
+    assert cfg.freeze and cfg.sync
+    assert cfg.position_weights == (1.0, 0.5) and cfg.trainable == ("fc", "layers")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tts-update-stride", "0"], "must be an integer >= 1"),
+        (["--tts-update-stride", "x"], "expected an integer"),
+        (["--tts-lr", "-1"], "--tts-lr must be > 0"),
+        (["--tts-scope", "batchy"], "invalid choice"),
+        (["--tts-reg-lambda", "-0.5"], "--tts-reg-lambda must be >= 0"),
+    ],
+)
+def test_bad_values_are_argparse_errors_naming_the_flag(parser, argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_a_new_parse_starts_from_defaults(monkeypatch):
+    monkeypatch.delenv(flags.ENV_VAR, raising=False)
+    first = argparse.ArgumentParser()
+    flags.add_tts_cli_args(first)
+    first.parse_args(["--tts-update-stride", "7"])
+    second = argparse.ArgumentParser()
+    flags.add_tts_cli_args(second)  # building the parser clears the previous record
+    second.parse_args([])
+    assert flags.tts_config_from_env().update_stride == 5
+    flags.reset_env()
