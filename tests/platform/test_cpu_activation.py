@@ -58,3 +58,4 @@ def test_missing_kernels_activate_cpu_layer(tmp_path):
     assert "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend" in result["hooks"]
     assert "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend" in result["hooks"]
     assert "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend" in result["hooks"]
+    assert "sglang.srt.speculative.eagle_utils._verify_uses_greedy" in result["hooks"]

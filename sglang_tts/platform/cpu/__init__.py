@@ -8,7 +8,10 @@ What it does when active:
    subprocesses); multiprocessing's spawn copies sys.path into SGLang's scheduler processes,
    which import `sgl_kernel` at module level before their own plugin loading runs;
 3. registers HookRegistry AROUND hooks that teach the torch_native attention backend
-   TARGET_VERIFY and give DraftBackendFactory torch-native multi-step draft / draft-extend backends.
+   TARGET_VERIFY and give DraftBackendFactory torch-native multi-step draft / draft-extend backends;
+4. routes sampling requests' verify to a PyTorch target-only tree sampler (stock SGLang commits
+   the target's argmax on CPU even when the request samples);
+5. lets stock DFLASH run on CPU (sglang_tts.platform.cpu.dflash).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ def _add_shim_to_path() -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_tts.platform.cpu import attention, dflash
+    from sglang_tts.platform.cpu import attention, dflash, spec_sampling
 
     HookRegistry.register(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
@@ -74,6 +77,11 @@ def _register_hooks() -> None:
     HookRegistry.register(
         "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend",
         attention.create_draft_extend_backend_hook,
+        HookType.AROUND,
+    )
+    HookRegistry.register(
+        "sglang.srt.speculative.eagle_utils._verify_uses_greedy",
+        spec_sampling.verify_uses_greedy_hook,
         HookType.AROUND,
     )
     dflash.register_hooks(HookRegistry, HookType)
