@@ -28,11 +28,11 @@ QUESTION = "Explain, step by step, why the sum of two odd numbers is always even
 
 
 def default_drafter(model_dir: Path) -> Path:
-    out = cache_root() / "drafters" / f"{model_dir.name}-eagle3-untrained"
+    out = cache_root() / "drafters" / f"{model_dir.name}-eagle3-untrained-v2"
     if not (out / "config.json").exists():
         print(f"[demo] writing an untrained EAGLE-3 drafter to {out}", file=sys.stderr)
         target_config = json.loads((model_dir / "config.json").read_text())
-        write_tiny_eagle3(out, target_config, layout="midlayer", draft_vocab_size=8192, seed=0)
+        write_tiny_eagle3(out, target_config, layout="midlayer", draft_vocab_size=16384, draft_vocab="first", seed=0)
     return out
 
 

@@ -99,11 +99,14 @@ def write_tiny_eagle3(
     num_layers: int = 1,
     aux_layer_ids: list[int] | None = None,
     init_std: float = 0.05,
+    draft_vocab: Literal["random", "first"] = "random",
 ) -> Path:
     """A random EAGLE-3 drafter for `target_config` (HF Llama/Qwen3 dict); returns its folder.
 
-    `draft_vocab_size` defaults to half the target vocabulary. Layer 0 is stored under
-    `layout`; extra layers (num_layers > 1) always as `layers.N.*`.
+    `draft_vocab_size` defaults to half the target vocabulary: a random subset of ids, or with
+    draft_vocab="first" the lowest ids (for BPE vocabularies a rough frequency order, since merges
+    are numbered as they are learnt). Layer 0 is stored under `layout`; extra layers
+    (num_layers > 1) always as `layers.N.*`.
     """
     h = int(target_config["hidden_size"])
     inter = int(target_config["intermediate_size"])
@@ -112,7 +115,7 @@ def write_tiny_eagle3(
     head_dim = int(target_config.get("head_dim") or h // heads)
     vocab = int(target_config["vocab_size"])
     n_target = int(target_config["num_hidden_layers"])
-    draft_vocab = int(draft_vocab_size) if draft_vocab_size is not None else vocab // 2
+    draft_vocab_size = int(draft_vocab_size) if draft_vocab_size is not None else vocab // 2
     aux_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_eagle3_aux_layer_ids(n_target)
 
     init = _Init(seed, init_std)
@@ -134,8 +137,14 @@ def write_tiny_eagle3(
                 f"{prefix}.post_attention_layernorm.weight": init.norm(h),
             }
         )
-    d2t, t2d = _draft_vocab(vocab, draft_vocab, init.gen)
-    tensors.update({"norm.weight": init.norm(h), "lm_head.weight": init.linear(draft_vocab, h), "d2t": d2t, "t2d": t2d})
+    if draft_vocab == "first":
+        d2t = torch.zeros(draft_vocab_size, dtype=torch.int64)
+        t2d = torch.arange(vocab) < draft_vocab_size
+    else:
+        d2t, t2d = _draft_vocab(vocab, draft_vocab_size, init.gen)
+    tensors.update(
+        {"norm.weight": init.norm(h), "lm_head.weight": init.linear(draft_vocab_size, h), "d2t": d2t, "t2d": t2d}
+    )
 
     config: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -149,7 +158,7 @@ def write_tiny_eagle3(
         "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
         "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
         "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab,
+        "draft_vocab_size": draft_vocab_size,
         "target_hidden_size": h,
         "hidden_act": "silu",
         "attention_bias": False,
