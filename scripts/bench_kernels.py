@@ -9,7 +9,8 @@ and two peaks measured by replaying the allocator events (``triton_kernels.memor
 * working - the same without the returned ``dL/dhidden`` and ``dL/dW`` (identical for all backends), i.e. the
   intermediates the backends differ in.
 
-Writes ``bench_kernels.json`` and ``bench_kernels.md`` under ``--out`` and prints the Markdown table.
+Writes ``bench_kernels.json``, ``bench_kernels.md`` and ``bench_kernels.png`` under ``--out``;
+prints the Markdown table.
 
 Example (small CPU run)::
 
@@ -124,6 +125,30 @@ def to_markdown(rows: Sequence[BenchRow], meta: dict[str, object]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: Sequence[BenchRow], path: Path) -> None:
+    """Time and working memory against positions, one line per (backend, vocabulary)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(10, 4))
+    for backend, vocab in sorted({(r.backend, r.vocab) for r in rows}):
+        sel = sorted((r for r in rows if r.backend == backend and r.vocab == vocab), key=lambda r: r.positions)
+        xs = [r.positions for r in sel]
+        ax_time.plot(xs, [r.time_ms for r in sel], marker="o", label=f"{backend}, V={vocab}")
+        ax_mem.plot(xs, [r.peak_working_mib for r in sel], marker="o", label=f"{backend}, V={vocab}")
+    ax_time.set(xlabel="positions N", ylabel="forward + backward (ms)", title="Update loss time")
+    ax_mem.set(xlabel="positions N", ylabel="peak working memory (MiB)", title="Memory besides dW, dh")
+    for ax in (ax_time, ax_mem):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 49152])
@@ -176,6 +201,7 @@ def main(argv: Sequence[str] | None = None) -> list[BenchRow]:
     )
     table = to_markdown(rows, meta)
     (args.out / "bench_kernels.md").write_text(table)
+    plot(rows, args.out / "bench_kernels.png")
     print(table)
     return rows
 

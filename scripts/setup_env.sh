@@ -45,7 +45,7 @@ export PIP_CONSTRAINT="$ROOT/requirements/constraints-cpu.txt${PIP_CONSTRAINT:+ 
 
 say "installing torch $TORCH_VERSION (CPU build)"
 "${PIP[@]}" install -q "torch==$TORCH_VERSION"
-if ! "$VPY" -c "import torch, sys; sys.exit(1 if torch.version.cuda else 0)"; then
+if ! "$VPY" -W ignore -c "import torch, sys; sys.exit(1 if torch.version.cuda else 0)"; then
   say "ERROR: pip installed a CUDA build of torch; point PIP_EXTRA_INDEX_URL at a CPU wheel index and rerun"
   exit 1
 fi

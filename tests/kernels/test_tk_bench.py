@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_kernels.py"
 
 
-def test_bench_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bench_writes_json_markdown_and_plot(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location("bench_kernels", SCRIPT)
     assert spec is not None and spec.loader is not None
     bench = importlib.util.module_from_spec(spec)
@@ -29,3 +29,4 @@ def test_bench_writes_json_and_markdown(tmp_path: Path, monkeypatch: pytest.Monk
     assert all(row["peak_total_mib"] * 2**20 >= 300 * 16 * 4 for row in data["rows"])
     table = (tmp_path / "bench_kernels.md").read_text()
     assert table.count("| 300 |") == 4
+    assert (tmp_path / "bench_kernels.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
