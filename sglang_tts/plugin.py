@@ -13,10 +13,7 @@ logger = logging.getLogger(__name__)
 
 def register() -> None:
     from sglang_tts.platform import cpu
+    from sglang_tts.sglang.algorithm import register_tts_algorithm
 
     cpu.install()
-    try:
-        from sglang_tts.sglang.algorithm import register_tts_algorithm
-    except ImportError:  # the adapter lands with the SGLang integration
-        return
     register_tts_algorithm()

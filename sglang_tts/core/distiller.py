@@ -188,15 +188,20 @@ class Distiller:
     def weight_version(self) -> int:
         return self.stats.weight_version
 
-    def observe(self, canvas: Canvas) -> bool:
-        """Count one verify round; every update_stride rounds submit an update on this canvas.
+    def next_round_submits(self) -> bool:
+        """Will the next observe() submit an update? Lets the engine build a canvas only then."""
+        return not self.config.freeze and (self.stats.scope_rounds + 1) % self.config.update_stride == 0
+
+    def observe(self, canvas: Canvas | None) -> bool:
+        """Count one verify round; every update_stride rounds submit an update on this canvas
+        (None: the round produced no usable canvas, it still counts).
 
         Returns whether an update was submitted."""
         self.stats.rounds += 1
         self.stats.scope_rounds += 1
         if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
             logger.info("TTS %s", self.stats.snapshot())
-        if self.config.freeze or self.stats.scope_rounds % self.config.update_stride != 0:
+        if self.config.freeze or self.stats.scope_rounds % self.config.update_stride != 0 or canvas is None:
             return False
         if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
             self._absorb(self.executor.wait())

@@ -162,7 +162,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             device=self.tts.distiller.device,
         )
         canvas = None
-        if not self.tts.config.freeze:
+        if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and its context K/V)
             canvas = build_canvas(rows=rows, **common)
         check_canvas = None
         if self.tts.check_fallback and self.topk == 1:

@@ -99,13 +99,11 @@ class TTSRuntime:
         if check_canvas is not None and self._last_verify_version == self.distiller.weight_version:
             self._check_fallback(check_canvas)
         self._last_verify_version = self.distiller.weight_version
-        if canvas is None:
-            return
-        self.scope.contributed(canvas.request_ids)
-        rids = list(canvas.request_ids)
+        if canvas is not None:
+            self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas))
         if submitted:
-            self._pending_rids = rids
+            self._pending_rids = list(canvas.request_ids)
 
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
         self.anchor_features[rid] = feature.detach().float().cpu().clone()

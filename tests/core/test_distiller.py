@@ -130,6 +130,25 @@ def test_stride_updates_on_the_latest_canvas_only(generator):
     assert distiller.stats.last_update_round == 50
 
 
+def test_engine_builds_canvases_only_for_update_rounds(generator):
+    """next_round_submits() names the stride rounds; the other rounds pass None and still count."""
+    drafter = RecordingDrafter()
+    distiller = Distiller(drafter, _config(update_stride=3), publisher=WeightPublisher([]), executor=DeferredExecutor())
+    built = []
+    for round_number in range(1, 13):
+        distiller.barrier()
+        canvas = None
+        if distiller.next_round_submits():
+            built.append(round_number)
+            canvas = random_canvas(generator, round_index=round_number)
+            canvas.positions[0, 0] = round_number
+        assert distiller.observe(canvas) == (canvas is not None)
+    distiller.barrier(force=True)
+    assert built == [3, 6, 9, 12]
+    assert distiller.stats.rounds == 12 and distiller.stats.num_updates == 4
+    assert drafter.seen == [(r, r) for r in (3, 6, 9, 12)]
+
+
 @pytest.mark.parametrize(
     ("executor_class", "expected"),
     [
