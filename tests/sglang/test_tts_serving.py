@@ -139,7 +139,8 @@ def _stream_chat(base_url, model, text, max_tokens, stop_after=None):
 
 @pytest.fixture(scope="module")
 def stride2_server(loopy_llama, loopy_eagle3):
-    with sglang_server(str(loopy_llama), _tts_args(loopy_eagle3, "--tts-update-stride", "2")) as server:
+    args = _tts_args(loopy_eagle3, "--tts-update-stride", "2", "--enable-metrics")
+    with sglang_server(str(loopy_llama), args) as server:
         yield server
 
 
@@ -244,3 +245,19 @@ def test_incompatible_drafter_is_refused_at_launch(loopy_llama, tiny_qwen3, tmp_
     drafter = write_tiny_eagle3(tmp_path / "wrong", other)
     log = _launch_fails(loopy_llama, ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(drafter)])
     assert "does not fit target" in log and "hidden" in log
+
+
+def test_prometheus_exports_tts_metrics(stride2_server):
+    """Server-wide counters (scraped from /metrics after the requests above and one more)."""
+    generate_ids(stride2_server.base_url, PROMPTS[0], 60)
+    with urllib.request.urlopen(stride2_server.base_url + "/metrics", timeout=60) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("sglang_tts:") and " " in line:
+            name, value = line.rsplit(" ", 1)
+            values[name.split("{")[0]] = values.get(name.split("{")[0], 0.0) + float(value)
+    assert values["sglang_tts:rounds_total"] > 0
+    assert values["sglang_tts:updates_total"] > 0
+    assert values["sglang_tts:accepted_tokens_total"] >= values["sglang_tts:rounds_total"]
+    assert values["sglang_tts:update_seconds_count"] == values["sglang_tts:updates_total"]
