@@ -58,7 +58,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         config = tts_config_from_env()
         draft_model = self.draft_worker.draft_runner.model
-        target_config = json.loads((Path(server_args.model_path) / "config.json").read_text())
+        target_config_path = Path(server_args.model_path) / "config.json"
+        target_config = json.loads(target_config_path.read_text()) if target_config_path.exists() else None
         with torch.inference_mode(False):
             embedding = _target_embedding(self.target_worker).detach().clone().float()
             drafter = load_drafter(
@@ -84,7 +85,10 @@ class TTSEagleWorker(EAGLEWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
         if is_decode and not batch.forward_mode.is_idle():
-            self.tts.before_draft([req.rid for req in batch.reqs])
+            try:
+                self.tts.before_draft([req.rid for req in batch.reqs])
+            except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
+                logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
         return super().forward_batch_generation(
             batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
         )
