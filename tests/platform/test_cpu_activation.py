@@ -31,7 +31,8 @@ PROBE = textwrap.dedent(
 
 
 def _probe(tmp_path, fake_real_kernel: bool) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("SGLANG_USE_CPU_ENGINE", "SGLANG_TTS_CPU_SUPPORT")}
+    drop = ("SGLANG_USE_CPU_ENGINE", "SGLANG_TTS_CPU_SUPPORT", "TRITON_INTERPRET")
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     if fake_real_kernel:
         pkg = tmp_path / "site" / "sgl_kernel"
         pkg.mkdir(parents=True)

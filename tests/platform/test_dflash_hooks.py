@@ -9,6 +9,7 @@ made again. The pytest process itself never imports `sglang.srt` nor patches it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -333,8 +334,10 @@ def probe(tiny_qwen3: Path, tmp_path_factory) -> dict[str, Any]:
 
     target_config = json.loads((tiny_qwen3 / "config.json").read_text())
     draft = write_tiny_dflash(tmp_path_factory.mktemp("dflash") / "draft", target_config, block_size=4)
+    # A plain SGLang process: the kernel tests' TRITON_INTERPRET would make the stock Triton path run.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
-        [sys.executable, __file__, str(tiny_qwen3), str(draft)], capture_output=True, text=True, timeout=600
+        [sys.executable, __file__, str(tiny_qwen3), str(draft)], capture_output=True, text=True, timeout=600, env=env
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
