@@ -188,6 +188,11 @@ class Distiller:
     def weight_version(self) -> int:
         return self.stats.weight_version
 
+    @property
+    def trained_matches_serving(self) -> bool:
+        """The trained copy holds exactly the serving weights: no update in flight or unpublished."""
+        return not self.executor.pending and not self._unpublished
+
     def next_round_submits(self) -> bool:
         """Will the next observe() submit an update? Lets the engine build a canvas only then."""
         return not self.config.freeze and (self.stats.scope_rounds + 1) % self.config.update_stride == 0

@@ -74,19 +74,19 @@ def write_request_info(req, counters, accept_len: int, digest: str | None = None
 
 
 def finalize_meta_info(meta_info: dict) -> None:
-    for key in SCALAR_KEYS:
+    """Token-aligned lists (as the tokenizer accumulates them) -> the values a response reports."""
+    picks = {key: -1 for key in (*SCALAR_KEYS, DIGEST_END)} | {DIGEST_START: 0, ACCEPT_KEY: None}
+    for key, pick in picks.items():
         values = meta_info.get(key)
-        if isinstance(values, list):
-            present = [v for v in values if v is not None]
-            meta_info[key] = present[-1] if present else 0
-    for key in (DIGEST_START, DIGEST_END):
-        values = meta_info.get(key)
-        if isinstance(values, list):
-            present = [v for v in values if v is not None]
-            meta_info[key] = (present[0] if key == DIGEST_START else present[-1]) if present else None
-    values = meta_info.get(ACCEPT_KEY)
-    if isinstance(values, list):
-        meta_info[ACCEPT_KEY] = [v for v in values if v is not None]
+        if not isinstance(values, list):
+            continue
+        present = [v for v in values if v is not None]
+        if pick is None:
+            meta_info[key] = present
+        elif present:
+            meta_info[key] = present[pick]
+        else:
+            meta_info[key] = 0 if key in SCALAR_KEYS else None
 
 
 def update_request_meta_info_hook(original, manager, meta_info, *args, **kwargs):

@@ -95,8 +95,12 @@ class TTSRuntime:
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
         # Exact only if no new weights were published since SGLang drafted this round's first token
-        # (in the previous round's draft-extend).
-        if check_canvas is not None and self._last_verify_version == self.distiller.weight_version:
+        # (in the previous round's draft-extend), and if no update is writing the trained copy now.
+        if (
+            check_canvas is not None
+            and self._last_verify_version == self.distiller.weight_version
+            and self.distiller.trained_matches_serving
+        ):
             self._check_fallback(check_canvas)
         self._last_verify_version = self.distiller.weight_version
         if canvas is not None:

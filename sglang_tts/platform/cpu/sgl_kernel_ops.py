@@ -86,6 +86,18 @@ def copy_all_layer_kv_cache_cpu(
 # --------------------------------------------------------------------------------------------
 
 
+def _pool_and_packed_indices(
+    req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor, pool_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat indices into req_to_token of every slot in the requests' [start, end) ranges, and the
+    matching positions when those ranges are packed back to back (the two ops above are inverses)."""
+    start = start_offset.reshape(-1).to(torch.int64)
+    lens = end_offset.reshape(-1).to(torch.int64) - start
+    seg, off = _ragged(lens)
+    rows = req_pool_indices.reshape(-1).to(torch.int64)
+    return rows[seg] * pool_len + start[seg] + off, _exclusive_cumsum(lens)[seg] + off
+
+
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -96,15 +108,8 @@ def assign_req_to_token_pool_cpu(
 ) -> None:
     """``req_to_token[req_pool_indices[i], start[i]:end[i]] = out_cache_loc[o_i : o_i + len_i]``,
     with ``o_i`` the sum of the earlier requests' ``end - start``."""
-    start = start_offset.reshape(-1).to(torch.int64)
-    lens = end_offset.reshape(-1).to(torch.int64) - start
-    seg, off = _ragged(lens)
-    if seg.numel() == 0:
-        return
-    rows = req_pool_indices.reshape(-1).to(torch.int64)
-    dst = rows[seg] * pool_len + start[seg] + off
-    src = _exclusive_cumsum(lens)[seg] + off
-    _flat(req_to_token)[dst] = out_cache_loc.reshape(-1)[src].to(req_to_token.dtype)
+    pool_idx, packed_idx = _pool_and_packed_indices(req_pool_indices, start_offset, end_offset, pool_len)
+    _flat(req_to_token)[pool_idx] = out_cache_loc.reshape(-1)[packed_idx].to(req_to_token.dtype)
 
 
 def assign_extend_cache_locs_cpu(
@@ -117,15 +122,8 @@ def assign_extend_cache_locs_cpu(
 ) -> None:
     """Inverse of :func:`assign_req_to_token_pool_cpu`: pack each request's
     ``req_to_token[req_pool_indices[i], start[i]:end[i]]`` back to back into ``out_cache_loc``."""
-    start = start_offset.reshape(-1).to(torch.int64)
-    lens = end_offset.reshape(-1).to(torch.int64) - start
-    seg, off = _ragged(lens)
-    if seg.numel() == 0:
-        return
-    rows = req_pool_indices.reshape(-1).to(torch.int64)
-    src = rows[seg] * pool_len + start[seg] + off
-    dst = _exclusive_cumsum(lens)[seg] + off
-    _flat(out_cache_loc)[dst] = req_to_token.reshape(-1)[src].to(out_cache_loc.dtype)
+    pool_idx, packed_idx = _pool_and_packed_indices(req_pool_indices, start_offset, end_offset, pool_len)
+    _flat(out_cache_loc)[packed_idx] = req_to_token.reshape(-1)[pool_idx].to(out_cache_loc.dtype)
 
 
 def assign_draft_cache_locs_contiguous_cpu(
