@@ -63,3 +63,14 @@ def loopy_eagle3(tiny_dir, loopy_llama) -> pathlib.Path:
 
     target_config = json.loads((loopy_llama / "config.json").read_text())
     return write_tiny_eagle3(tiny_dir / "loopy-eagle3", target_config, layout="layers.0", draft_vocab_size=1024)
+
+
+@pytest.fixture(scope="session")
+def loopy_dflash(tiny_dir, loopy_llama) -> pathlib.Path:
+    """A random DFlash drafter (block 4) for loopy_llama."""
+    import json
+
+    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
+
+    target_config = json.loads((loopy_llama / "config.json").read_text())
+    return write_tiny_dflash(tiny_dir / "loopy-dflash", target_config, block_size=4)

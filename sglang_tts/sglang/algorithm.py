@@ -16,6 +16,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_tts.drafters.common import UnsupportedDrafterConfigError, text_config
+from sglang_tts.drafters.dflash import DFlashConfig
 from sglang_tts.drafters.loading import IncompatibleDrafterError, check_compatible, drafter_kind
 
 logger = logging.getLogger(__name__)
@@ -74,11 +76,19 @@ def resolve_drafter(draft_path: str | None, target_path: str | None) -> str:
         kind = drafter_kind(draft_dir)
     except (IncompatibleDrafterError, ValueError) as e:
         raise TTSLaunchError(f"TTS drafter {draft_path!r}: {e}") from None
+    target_config = None
     if target_path and (Path(target_path) / "config.json").exists():
+        target_config = _read_json(Path(target_path) / "config.json")
         try:
-            check_compatible(_read_json(draft_dir / "config.json"), _read_json(Path(target_path) / "config.json"))
+            check_compatible(_read_json(draft_dir / "config.json"), target_config)
         except IncompatibleDrafterError as e:
             raise TTSLaunchError(f"TTS drafter {draft_path!r} does not fit target {target_path!r}: {e}") from None
+    if kind == "dflash":
+        depth = text_config(target_config).get("num_hidden_layers") if target_config else None
+        try:  # options the differentiable DFlash drafter does not implement (DFlash 2, Domino, ...)
+            DFlashConfig.from_dict(_read_json(draft_dir / "config.json"), target_num_layers=depth)
+        except (UnsupportedDrafterConfigError, ValueError) as e:
+            raise TTSLaunchError(f"TTS drafter {draft_path!r}: {e}") from None
     return kind
 
 
@@ -90,11 +100,8 @@ def validate_server_args(server_args) -> None:
     kind = resolve_drafter(
         getattr(server_args, "speculative_draft_model_path", None), getattr(server_args, "model_path", None)
     )
-    if kind == "dflash":
-        raise TTSLaunchError(
-            "TTS with a DFlash drafter is not available yet (EAGLE-3 drafters are); "
-            "serve this drafter frozen with --speculative-algorithm DFLASH"
-        )
+    if kind == "dflash" and getattr(server_args, "speculative_draft_window_size", None) is not None:
+        raise TTSLaunchError("TTS with a DFlash drafter does not support --speculative-draft-window-size")
     os.environ[KIND_ENV] = kind
     logger.info("sglang-tts: TTS with a %s drafter", kind)
 

@@ -19,38 +19,14 @@ from pathlib import Path
 import torch
 from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
-from sglang_tts.core.publish import WeightPublisher, stacked_name_map
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
+from sglang_tts.sglang.binding import bind_draft_publisher, target_embedding
 from sglang_tts.sglang.capture import build_canvas, path_rows
 from sglang_tts.sglang.flags import tts_config_from_env
 from sglang_tts.sglang.runtime import TTSRuntime
 
 logger = logging.getLogger(__name__)
-
-
-def _target_embedding(target_worker) -> torch.Tensor:
-    model = target_worker.model_runner.model
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
-    return embed.weight
-
-
-def _draft_publisher(drafter, draft_model) -> WeightPublisher:
-    """Bind SGLang's draft-model parameters (fused qkv / gate_up, `model.` prefix) to ours."""
-    trained = dict(drafter.trainable_named_parameters())
-    serving = {}
-    for name, param in draft_model.named_parameters():
-        name = name.removeprefix("model.")
-        tensor = param.data
-        if name in trained and tensor.shape[0] > trained[name].shape[0] and tensor.shape[1:] == trained[name].shape[1:]:
-            # SGLang pads vocab-parallel heads to a multiple of 64 rows: publish into the real rows only.
-            tensor = tensor[: trained[name].shape[0]]
-        serving[name] = tensor
-    name_map = stacked_name_map(serving, trained)
-    unbound = sorted(set(trained) - {s for srcs in name_map.values() for s in srcs})
-    if unbound:
-        raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
-    return WeightPublisher.from_name_map(serving, trained, name_map)
 
 
 class TTSEagleWorker(EAGLEWorkerV2):
@@ -61,12 +37,12 @@ class TTSEagleWorker(EAGLEWorkerV2):
         target_config_path = Path(server_args.model_path) / "config.json"
         target_config = json.loads(target_config_path.read_text()) if target_config_path.exists() else None
         with torch.inference_mode(False):
-            embedding = _target_embedding(self.target_worker).detach().clone().float()
+            embedding = target_embedding(self.target_worker).detach().clone().float()
             drafter = load_drafter(
                 server_args.speculative_draft_model_path, target_embedding=embedding, target_config=target_config
             )
             drafter.to(self.device)
-            self.tts = TTSRuntime(drafter, config, _draft_publisher(drafter, draft_model), self.device)
+            self.tts = TTSRuntime(drafter, config, bind_draft_publisher(drafter, draft_model), self.device)
         self.tts.metrics = metrics.scheduler_metrics()
         self._draft_layers = [
             m.attn for m in draft_model.modules() if hasattr(m, "attn") and hasattr(m.attn, "layer_id")

@@ -80,6 +80,11 @@ def finalize_meta_info(meta_info: dict) -> None:
         values = meta_info.get(key)
         if not isinstance(values, list):
             continue
+        tokens = meta_info.get("completion_tokens")
+        if isinstance(tokens, int) and len(values) > tokens:
+            # Under the overlap scheduler (DFLASH keeps it on CPU) the worker already ran the next
+            # round when a request finished; SGLang drops that round's tokens, and its values go too.
+            values = values[:tokens]
         present = [v for v in values if v is not None]
         if pick is None:
             meta_info[key] = present

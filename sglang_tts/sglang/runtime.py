@@ -61,7 +61,10 @@ class TTSRuntime:
         self.distiller = Distiller(drafter, config, self.executor, publisher, fault_injector_from_env())
         self.drafter = drafter
         self.scope = make_scope(config.scope)
+        # What the next canvas of a request conditions on: EAGLE-3 the anchor feature [F];
+        # DFlash the features [L, F] of the tokens committed last round, starting at context_starts[rid].
         self.anchor_features: dict[str, torch.Tensor] = {}
+        self.context_starts: dict[str, int] = {}
         self.requests: dict[str, RequestCounters] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
@@ -75,6 +78,7 @@ class TTSRuntime:
         published before this round's draft reads the weights."""
         for rid in [r for r in self.anchor_features if r not in live_request_ids]:
             del self.anchor_features[rid]
+            self.context_starts.pop(rid, None)
         for rid in [r for r in self.requests if r not in live_request_ids]:
             del self.requests[rid]
         if self.scope.before_round(live_request_ids):
@@ -111,6 +115,18 @@ class TTSRuntime:
 
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
         self.anchor_features[rid] = feature.detach().float().cpu().clone()
+
+    def remember_context(self, rid: str, features: torch.Tensor, start: int) -> None:
+        self.remember_anchor(rid, features)
+        self.context_starts[rid] = int(start)
+
+    def recent_context(self, rid: str, next_position: int) -> tuple[torch.Tensor, int] | None:
+        """The remembered (features, start) if they end right before `next_position`."""
+        feats = self.anchor_features.get(rid)
+        start = self.context_starts.get(rid)
+        if feats is None or start is None or start + feats.shape[0] != next_position:
+            return None  # e.g. a retracted and resumed request: the pool alone has the context
+        return feats, start
 
     def serving_digest(self) -> str:
         """sha256 over the serving drafter's bound weights (what the next draft reads)."""

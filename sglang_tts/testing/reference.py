@@ -47,3 +47,39 @@ def generate_ids(base_url: str, input_ids: list[int], max_new_tokens: int, **sam
     `ignore_eos` keeps lengths comparable with the HF reference."""
     params = {"temperature": 0.0, "max_new_tokens": max_new_tokens, "ignore_eos": True, **sampling}
     return post_json(base_url + "/generate", {"input_ids": input_ids, "sampling_params": params})
+
+
+def exact_pair_distribution(model_path: str, prompt: list[int], top: int = 8) -> dict[tuple[int, int], float]:
+    """P(t1, t2 | prompt) of the target, by HF transformers, over its top first and second tokens."""
+    model = _hf_model(str(model_path))
+    with torch.no_grad():
+        p1 = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+        pairs = {}
+        for t1 in p1.topk(top).indices.tolist():
+            p2 = model(torch.tensor([prompt + [t1]])).logits[0, -1].float().softmax(-1)
+            for t2 in p2.topk(top).indices.tolist():
+                pairs[(t1, t2)] = float(p1[t1] * p2[t2])
+    return pairs
+
+
+def assert_sampling_keeps_target_distribution(base_url: str, model_path, prompt: list[int], n: int = 400) -> None:
+    """t2 comes out of the first speculative round (draft, then rejection sampling in verify): the
+    joint frequency of (t1, t2) over n samples at temperature 1 must match the target's P(t1, t2)
+    (4.5 binomial standard errors + 0.01) on every pair of probability >= 0.03."""
+    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 2, "ignore_eos": True}
+    outs = post_json(base_url + "/generate", {"input_ids": [prompt] * n, "sampling_params": params})
+    counts: dict[tuple[int, int], int] = {}
+    for out in outs:
+        key = tuple(out["output_ids"][:2])
+        counts[key] = counts.get(key, 0) + 1
+    exact = exact_pair_distribution(str(model_path), prompt)
+    checked = 0
+    for pair, p in exact.items():
+        if p < 0.03:
+            continue
+        freq = counts.get(pair, 0) / n
+        assert abs(freq - p) < 4.5 * (p * (1 - p) / n) ** 0.5 + 0.01, (pair, freq, p)
+        checked += 1
+    assert checked >= 2
+    covered = sum(counts.get(pair, 0) for pair in exact) / n
+    assert covered > 0.8  # the sampled pairs are the target's likely ones

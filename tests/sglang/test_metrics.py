@@ -44,3 +44,14 @@ def test_digest_start_is_the_first_round_and_end_the_last():
     meta = {key: list(values) for key, values in req.customized_info.items()}
     finalize_meta_info(meta)
     assert meta["tts_weight_digest_start"] == "aaa" and meta["tts_weight_digest_end"] == "bbb"
+
+
+def test_a_round_run_after_the_request_finished_is_not_reported():
+    """Overlap scheduling runs one more round for a request that just finished; SGLang drops its
+    tokens (completion_tokens counts the kept ones), so its values are dropped too."""
+    req = _req({"tts_return_accept_lengths": True}, output_ids=[7])
+    for accept_len in (2, 4, 3):  # the third round ran after the request had finished
+        write_request_info(req, RequestCounters(), accept_len)
+    meta = {key: list(values) for key, values in req.customized_info.items()} | {"completion_tokens": 7}
+    finalize_meta_info(meta)
+    assert meta["tts_accept_lengths"] == [2, 4]

@@ -17,7 +17,7 @@ import urllib.request
 
 import pytest
 
-from sglang_tts.testing.reference import generate_ids, hf_greedy
+from sglang_tts.testing.reference import assert_sampling_keeps_target_distribution, generate_ids, hf_greedy
 from sglang_tts.testing.server import sglang_server
 
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5], [4, 50, 60, 70, 80, 90, 3, 5]]
@@ -145,46 +145,10 @@ def stride2_server(loopy_llama, loopy_eagle3):
         yield server
 
 
-def _exact_pair_distribution(model_path, prompt, top: int = 8) -> dict[tuple[int, int], float]:
-    """P(t1, t2 | prompt) of the target, by HF transformers, over the top first tokens."""
-    import torch
-
-    from sglang_tts.testing.reference import _hf_model
-
-    model = _hf_model(str(model_path))
-    with torch.no_grad():
-        p1 = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
-        pairs = {}
-        for t1 in p1.topk(top).indices.tolist():
-            p2 = model(torch.tensor([prompt + [t1]])).logits[0, -1].float().softmax(-1)
-            for t2 in p2.topk(top).indices.tolist():
-                pairs[(t1, t2)] = float(p1[t1] * p2[t2])
-    return pairs
-
-
 def test_sampling_keeps_the_targets_distribution(stride2_server, loopy_llama):
     """t2 comes out of the first speculative round (draft, then rejection sampling in verify): its
     joint frequency with t1 must match the target's own P(t1, t2)."""
-    from sglang_tts.testing.reference import post_json
-
-    prompt, n = PROMPTS[1], 400
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 2, "ignore_eos": True}
-    outs = post_json(stride2_server.base_url + "/generate", {"input_ids": [prompt] * n, "sampling_params": params})
-    counts: dict[tuple[int, int], int] = {}
-    for out in outs:
-        key = tuple(out["output_ids"][:2])
-        counts[key] = counts.get(key, 0) + 1
-    exact = _exact_pair_distribution(loopy_llama, prompt)
-    checked = 0
-    for pair, p in exact.items():
-        if p < 0.03:
-            continue
-        freq = counts.get(pair, 0) / n
-        assert abs(freq - p) < 4.5 * (p * (1 - p) / n) ** 0.5 + 0.01, (pair, freq, p)
-        checked += 1
-    assert checked >= 2
-    covered = sum(counts.get(pair, 0) for pair in exact) / n
-    assert covered > 0.8  # the sampled pairs are the target's likely ones
+    assert_sampling_keeps_target_distribution(stride2_server.base_url, loopy_llama, PROMPTS[1])
 
 
 def test_concurrent_streams_and_disconnects_leave_the_server_healthy(stride2_server, loopy_llama):

@@ -22,6 +22,11 @@ fixed at the narrowest point SGLang offers, and only while the CPU layer is acti
 6. `ModelRunner._extend_forward_kwargs` casts `input_embeds` to bf16 whatever the model dtype, and
    DFLASH drafts from input_embeds, so `--dtype float32` fails with a dtype mismatch.
    -> `extend_forward_kwargs_hook` keeps the runner's dtype.
+7. DFLASH's sampling verify (`dflash_utils.compute_dflash_sampling_correct_drafts_and_bonus`)
+   needs `tree_speculative_sampling_target_only`, a CUDA kernel; without it DFLASH verifies
+   sampling requests by the target's argmax, which does not keep the target's distribution.
+   -> `forward_batch_generation_hook` installs the PyTorch version (spec_sampling.py) into
+   `dflash_utils` once, so CPU sampling requests take SGLang's own rejection-sampling path.
 
 DFLASH keeps SGLang's overlap scheduler on CPU: `_handle_dflash` (unlike the EAGLE and NGRAM
 handlers) does not turn it off for CPU, and DFlashWorkerV2 serves correctly overlapped once the
@@ -154,8 +159,27 @@ def forward_batch_generation_hook(original: Callable[..., Any], worker: Any, *ar
     allocator knows the overlap-carried tensor is used on this stream. CPU tensors have no such
     bookkeeping and PyTorch raises; for the duration of this call only, the CPU case is a no-op.
     """
+    enable_sampling_verify()
     with cpu_record_stream_is_noop():
         return original(worker, *args, **kwargs)
+
+
+# --- 7: sampling verify ---------------------------------------------------------------------
+
+
+def enable_sampling_verify() -> None:
+    """Give `dflash_utils` the PyTorch target-only sampler where the platform has no kernel.
+
+    `dflash_utils` resolves its availability flag at import time; both names are module globals
+    read at call time by `is_dflash_sampling_verify_available` and the sampling verify itself.
+    """
+    import sglang.srt.speculative.dflash_utils as dflash_utils
+
+    from sglang_tts.platform.cpu.spec_sampling import tree_speculative_sampling_target_only
+
+    if dflash_utils.tree_speculative_sampling_target_only is None:
+        dflash_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
+        dflash_utils._DFLASH_SAMPLING_VERIFY_AVAILABLE = True
 
 
 # --- 4: fused Triton QK-norm + RoPE ----------------------------------------------------------

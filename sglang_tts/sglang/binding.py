@@ -1,0 +1,33 @@
+"""Where the TTS drafter meets SGLang's models: the borrowed target embedding, and the binding
+of SGLang's draft-model parameters (fused qkv / gate_up, `model.` prefix, padded vocab rows) to
+the trained drafter's, through which updates are published in place."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_tts.core.publish import WeightPublisher, stacked_name_map
+
+
+def target_embedding(target_worker) -> torch.Tensor:
+    model = target_worker.model_runner.model
+    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else model.model.embed_tokens
+    return embed.weight
+
+
+def bind_draft_publisher(drafter, draft_model) -> WeightPublisher:
+    """Bind SGLang's draft-model parameters (fused qkv / gate_up, `model.` prefix) to ours."""
+    trained = dict(drafter.trainable_named_parameters())
+    serving = {}
+    for name, param in draft_model.named_parameters():
+        name = name.removeprefix("model.")
+        tensor = param.data
+        if name in trained and tensor.shape[0] > trained[name].shape[0] and tensor.shape[1:] == trained[name].shape[1:]:
+            # SGLang pads vocab-parallel heads to a multiple of 64 rows: publish into the real rows only.
+            tensor = tensor[: trained[name].shape[0]]
+        serving[name] = tensor
+    name_map = stacked_name_map(serving, trained)
+    unbound = sorted(set(trained) - {s for srcs in name_map.values() for s in srcs})
+    if unbound:
+        raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
+    return WeightPublisher.from_name_map(serving, trained, name_map)

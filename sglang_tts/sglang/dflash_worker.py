@@ -1,0 +1,219 @@
+"""TTSDFlashWorker: SGLang's DFlash worker (DFlashWorkerV2) plus test-time drafter adaptation.
+
+Block drafting, verification and the draft-KV materialisation are SGLang's own, untouched, so
+outputs are exactly what stock DFLASH produces for the same drafter weights. TTS adds:
+- before each decode round's draft block: the scope check (reset) and the CPU-side barrier that
+  publishes a finished update into SGLang's draft model in place;
+- after verify: the canvas. DFlashWorkerV2 runs draft, verify and accept in one call, so the
+  round is read back from what it leaves behind: the block it drafted (`_draft_block_tokens_buf`),
+  the target's logits (`GenerationBatchResult.logits_output`), the committed lengths, and the
+  target features it hands to `_append_target_hidden_to_draft_kv_by_loc` (intercepted here).
+
+The canvas of a round anchored at position p (SGLang's `prefix_lens`): ids `[bonus, d_1..]` at
+positions p.., the target's logits of those rows, and as context the drafter's K/V of positions
+before the previous round's anchor (read from SGLang's draft KV pool, detached) plus the target
+features of the tokens the previous round committed (recomputed with gradient, so `fc`,
+`hidden_norm` and the K/V projections train too).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
+
+from sglang_tts.drafters.loading import load_drafter
+from sglang_tts.sglang import metrics
+from sglang_tts.sglang.binding import bind_draft_publisher, target_embedding
+from sglang_tts.sglang.capture import build_canvas
+from sglang_tts.sglang.flags import tts_config_from_env
+from sglang_tts.sglang.runtime import TTSRuntime
+
+logger = logging.getLogger(__name__)
+
+
+def block_rows(block_size: int, commit_lens: list[int], canvas: str) -> list[list[int]]:
+    """Rows of the flattened [bs * block_size] verify tensors the loss uses, per request:
+    `accepted`: the anchor, the accepted drafts and the first rejected position (commit_len rows);
+    `full`: the whole block."""
+    rows = []
+    for r, n in enumerate(commit_lens):
+        count = block_size if canvas == "full" else int(n)
+        rows.append(list(range(r * block_size, r * block_size + count)))
+    return rows
+
+
+def refresh_fused_kv_weights(helper, layers) -> None:
+    """SGLang's fused context-KV helper (CUDA) keeps stacked copies of every layer's K/V
+    projection and k_norm; rewrite them in place after a publish so the next append uses the
+    published weights."""
+    kv, k_norm = [], []
+    for layer in layers:
+        attn = layer.self_attn
+        kv.append(attn.qkv_proj.weight[attn.q_size : attn.q_size + 2 * attn.kv_size])
+        k_norm.append(attn.k_norm.weight)
+    flat = torch.stack(kv).reshape(-1, kv[0].shape[-1])
+    helper.flat_kv_weight_t.copy_(flat.transpose(0, 1))
+    helper.k_norm_weights.copy_(torch.stack(k_norm))
+
+
+class TTSDFlashWorker(DFlashWorkerV2):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        unsupported = {
+            "a sliding-window draft cache": self.use_compact_draft_cache,
+            "a candidate selector (DFlash 2)": self.selector is not None,
+            "a LiLiCorr head": self.lilicorr is not None,
+            "a Domino projector": self._is_domino,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise RuntimeError(f"TTS with DFlash does not support {what}")
+        config = tts_config_from_env()
+        target_model = self.target_worker.model_runner.model
+        target_config_path = Path(server_args.model_path) / "config.json"
+        target_config = json.loads(target_config_path.read_text()) if target_config_path.exists() else None
+        with torch.inference_mode(False):
+            embedding = target_embedding(self.target_worker).detach().clone().float()
+            lm_head = target_model.lm_head.weight.detach()[: embedding.shape[0]].clone().float()
+            drafter = load_drafter(
+                server_args.speculative_draft_model_path,
+                target_embedding=embedding,
+                target_lm_head=lm_head,
+                target_config=target_config,
+            )
+            drafter.block_size = int(self.block_size)  # the server's block size wins, as for SGLang's drafting
+            drafter.mask_token_id = int(self._mask_token_id)
+            drafter.to(self.device)
+            self.tts = TTSRuntime(drafter, config, bind_draft_publisher(drafter, self.draft_model), self.device)
+        self.tts.metrics = metrics.scheduler_metrics()
+        self._draft_layers = [layer.self_attn.attn for layer in self.draft_model.layers]
+        self._feature_dim = drafter.fc.in_features
+        self._capturing = False
+        self._captured_hidden: torch.Tensor | None = None
+        self._need_verify_logits = False
+        self._published_version = self.tts.distiller.weight_version
+        logger.info(
+            "sglang-tts: TTS on DFlash (block %d, stride %d, lr %g, scope %s, %s, %d trainable tensors)",
+            self.block_size,
+            config.update_stride,
+            config.lr,
+            config.scope,
+            "frozen" if config.freeze else ("sync" if config.sync else "async"),
+            len(self.tts.distiller.train_params),
+        )
+
+    # --- SGLang entry points --------------------------------------------------------------------
+
+    def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
+        is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        if not is_decode:
+            return super().forward_batch_generation(
+                batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
+            )
+        try:
+            self.tts.before_draft([req.rid for req in batch.reqs])
+            self._after_publish()
+        except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
+            logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
+        rids = [req.rid for req in batch.reqs]
+        prefix_lens = batch.seq_lens.tolist()
+        # Update (and check) rounds need the target's full verify logits, which SGLang may skip
+        # for all-greedy batches under tensor parallelism (it then gathers only the argmax).
+        self._need_verify_logits = self.tts.distiller.next_round_submits() or self.tts.check_fallback
+        self._capturing, self._captured_hidden = True, None
+        try:
+            result = super().forward_batch_generation(
+                batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
+            )
+        finally:
+            self._capturing = False
+        try:
+            self._after_verify(batch, rids, prefix_lens, result)
+        except Exception:  # noqa: BLE001 - TTS must never take a response down with it
+            logger.exception("sglang-tts: capture failed; this round is not used for adaptation")
+        finally:
+            self._captured_hidden = None
+        return result
+
+    def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
+        return not self._need_verify_logits and super()._can_skip_verify_logits(batch, sampling_info)
+
+    def _append_target_hidden_to_draft_kv_by_loc(self, *, target_hidden, **kwargs) -> None:
+        if self._capturing:
+            self._captured_hidden = target_hidden
+        return super()._append_target_hidden_to_draft_kv_by_loc(target_hidden=target_hidden, **kwargs)
+
+    # --- capture ----------------------------------------------------------------------------
+
+    def _after_publish(self) -> None:
+        version = self.tts.distiller.weight_version
+        if version != self._published_version:
+            helper = getattr(self, "_fused_kv_helper", None)
+            if helper is not None and getattr(self, "_use_fused_kv_materialize", False):
+                refresh_fused_kv_weights(helper, self.draft_model.layers)
+            self._published_version = version
+
+    def _past_kv(self, batch, ends: list[int]):
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        pool = self.draft_model_runner.token_to_kv_pool
+        pool_indices = batch.req_pool_indices.tolist()
+
+        def read(r: int):
+            # Drafter K/V SGLang materialised for positions [0, ends[r]) of request r.
+            slots = req_to_token[pool_indices[r], : ends[r]].long()
+            layers = []
+            for attn in self._draft_layers:
+                k = pool.get_key_buffer(attn.layer_id)[slots]
+                v = pool.get_value_buffer(attn.layer_id)[slots]
+                layers.append((k.transpose(0, 1), v.transpose(0, 1)))
+            return layers
+
+        return read
+
+    def _after_verify(self, batch, rids, prefix_lens, result) -> None:
+        block = int(self.block_size)
+        hidden = self._captured_hidden
+        logits = result.logits_output.next_token_logits if result.logits_output is not None else None
+        commit_lens = result.accept_lens.tolist()
+        contexts = [self.tts.recent_context(rid, prefix_lens[r]) for r, rid in enumerate(rids)]
+        if logits is not None and hidden is not None:
+            draft_tokens = self._draft_block_tokens_buf[: len(rids)].reshape(-1)
+            common = dict(
+                request_ids=rids,
+                draft_tokens=draft_tokens,
+                target_logits=logits,
+                seq_lens=prefix_lens,
+                context_features=contexts,
+                feature_dim=self._feature_dim,
+                past_kv=self._past_kv(batch, [prefix_lens[r] if c is None else c[1] for r, c in enumerate(contexts)]),
+                num_accepted=[n - 1 for n in commit_lens],
+                round_index=self.tts.distiller.stats.rounds,
+                device=self.tts.distiller.device,
+            )
+            canvas = None
+            if self.tts.distiller.next_round_submits():
+                canvas = build_canvas(rows=block_rows(block, commit_lens, self.tts.config.canvas), **common)
+            check_canvas = None
+            if self.tts.check_fallback:
+                check_canvas = build_canvas(rows=block_rows(block, commit_lens, "full"), **common)
+            self.tts.observe(canvas, dict(zip(rids, commit_lens)), check_canvas)
+        else:
+            self.tts.observe(None, dict(zip(rids, commit_lens)))
+
+        # The next round's context: the features of the tokens this round committed.
+        if hidden is not None:
+            hidden = hidden.view(len(rids), block, -1)
+            for r, rid in enumerate(rids):
+                self.tts.remember_context(rid, hidden[r, : commit_lens[r]], prefix_lens[r])
+        digest = None
+        for r, req in enumerate(batch.reqs):
+            wants_digest = metrics.wants_weight_digest(req)
+            if wants_digest:
+                digest = digest or self.tts.serving_digest()
+            metrics.write_request_info(
+                req, self.tts.counters(rids[r]), commit_lens[r], digest if wants_digest else None
+            )

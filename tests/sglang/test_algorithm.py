@@ -1,0 +1,62 @@
+"""Launch-time validation of `--speculative-algorithm TTS` (sglang_tts/sglang/algorithm.py), in process."""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from sglang_tts.sglang.algorithm import KIND_ENV, TTSLaunchError, resolve_drafter, validate_server_args
+from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
+
+
+def _target_config(path):
+    return json.loads((path / "config.json").read_text())
+
+
+def test_the_drafter_kind_comes_from_its_config(tiny_llama, tmp_path):
+    config = _target_config(tiny_llama)
+    assert resolve_drafter(str(write_tiny_eagle3(tmp_path / "e3", config)), str(tiny_llama)) == "eagle3"
+    assert resolve_drafter(str(write_tiny_dflash(tmp_path / "df", config)), str(tiny_llama)) == "dflash"
+
+
+def test_validation_passes_the_kind_to_the_workers(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(KIND_ENV, "eagle3")  # restored after the test
+    drafter = write_tiny_dflash(tmp_path / "df", _target_config(tiny_llama))
+    args = SimpleNamespace(speculative_draft_model_path=str(drafter), model_path=str(tiny_llama))
+    validate_server_args(args)
+    assert os.environ[KIND_ENV] == "dflash"
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("selector_rank", 4, "candidate selector"),
+        ("conv_kernel_size", 3, "convolutions"),
+    ],
+)
+def test_dflash_options_tts_cannot_train_are_refused(tiny_llama, tmp_path, option, value, message):
+    drafter = write_tiny_dflash(tmp_path / "df", _target_config(tiny_llama))
+    cfg = json.loads((drafter / "config.json").read_text())
+    cfg["dflash_config"][option] = value
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TTSLaunchError, match=message):
+        resolve_drafter(str(drafter), str(tiny_llama))
+
+
+def test_a_sliding_window_draft_cache_is_refused_with_dflash(tiny_llama, tmp_path):
+    drafter = write_tiny_dflash(tmp_path / "df", _target_config(tiny_llama))
+    args = SimpleNamespace(
+        speculative_draft_model_path=str(drafter), model_path=str(tiny_llama), speculative_draft_window_size=64
+    )
+    with pytest.raises(TTSLaunchError, match="window"):
+        validate_server_args(args)
+
+
+def test_a_missing_drafter_is_refused(tiny_llama, tmp_path):
+    with pytest.raises(TTSLaunchError, match="needs --speculative-draft-model-path"):
+        resolve_drafter(None, str(tiny_llama))
+    with pytest.raises(TTSLaunchError, match="no config.json"):
+        resolve_drafter(str(tmp_path), str(tiny_llama))
