@@ -181,6 +181,7 @@ class Distiller:
         self._num_submitted = 0
         self._unpublished = False  # the trained copy holds weights the serving copy has not seen
         self._weights_cache: dict[int, torch.Tensor] = {}
+        self._window_start = 0  # scope round at which the current stride's windows began
 
     # --- the serving-thread API -------------------------------------------------------------
 
@@ -195,7 +196,7 @@ class Distiller:
 
     def next_round_submits(self) -> bool:
         """Will the next observe() submit an update? Lets the engine build a canvas only then."""
-        return not self.config.freeze and (self.stats.scope_rounds + 1) % self.config.update_stride == 0
+        return not self.config.freeze and (self._window_rounds + 1) % self.config.update_stride == 0
 
     def observe(self, canvas: Canvas | None) -> bool:
         """Count one verify round; every update_stride rounds submit an update on this canvas
@@ -206,7 +207,7 @@ class Distiller:
         self.stats.scope_rounds += 1
         if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
             logger.info("TTS %s", self.stats.snapshot())
-        if self.config.freeze or self.stats.scope_rounds % self.config.update_stride != 0 or canvas is None:
+        if self.config.freeze or self._window_rounds % self.config.update_stride != 0 or canvas is None:
             return False
         if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
             self._absorb(self.executor.wait())
@@ -242,7 +243,24 @@ class Distiller:
         if self.executor.inline or self.config.update_stride == 1:
             return True
         # The coming round is the last of its stride window: its observe() submits the next update.
-        return (self.stats.scope_rounds + 1) % self.config.update_stride == 0
+        return (self._window_rounds + 1) % self.config.update_stride == 0
+
+    @property
+    def _window_rounds(self) -> int:
+        return self.stats.scope_rounds - self._window_start
+
+    def set_update_stride(self, stride: int) -> None:
+        """Change S between rounds (an adaptive-stride controller's action). A pending update is
+        collected first (published at the next barrier), and the stride windows restart here, so
+        the next update comes S rounds from now."""
+        if not isinstance(stride, int) or stride < 1:
+            raise ValueError(f"update stride must be an integer >= 1, got {stride!r}")
+        if stride == self.config.update_stride:
+            return
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        self.config.update_stride = stride
+        self._window_start = self.stats.scope_rounds
 
     def reset(self) -> None:
         """Start a new scope: base weights (bitwise), fresh optimizer state, per-scope counters."""
@@ -252,6 +270,7 @@ class Distiller:
             torch._foreach_copy_([p.detach() for p in self.train_params], self.base_weights)
         self.optimizer.state.clear()
         self.stats.scope_rounds = 0
+        self._window_start = 0
         self.stats.scope_updates = 0
         self.stats.num_resets += 1
         self._unpublished = True

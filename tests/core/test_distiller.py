@@ -130,6 +130,26 @@ def test_stride_updates_on_the_latest_canvas_only(generator):
     assert distiller.stats.last_update_round == 50
 
 
+def test_changing_the_stride_restarts_the_windows(generator):
+    """An adaptive-stride controller changes S between rounds: the pending update is collected
+    first, and the next update comes S rounds after the change."""
+    distiller = Distiller(
+        RecordingDrafter(), _config(update_stride=2), publisher=WeightPublisher([]), executor=DeferredExecutor()
+    )
+    submitted_at = []
+    for round_number in range(1, 21):
+        if round_number == 7:
+            assert distiller.executor.pending  # submitted at round 6, not collected yet
+            distiller.set_update_stride(5)
+            assert not distiller.executor.pending and distiller.stats.num_updates == 3
+        distiller.barrier()
+        if distiller.observe(random_canvas(generator, round_index=round_number)):
+            submitted_at.append(round_number)
+    assert submitted_at == [2, 4, 6, 11, 16]
+    with pytest.raises(ValueError, match="stride"):
+        distiller.set_update_stride(0)
+
+
 def test_engine_builds_canvases_only_for_update_rounds(generator):
     """next_round_submits() names the stride rounds; the other rounds pass None and still count."""
     drafter = RecordingDrafter()
