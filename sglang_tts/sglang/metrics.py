@@ -59,8 +59,10 @@ def write_request_info(req, counters, accept_len: int, digest: str | None = None
             counters.digest_start = digest
         values[DIGEST_START] = counters.digest_start
         values[DIGEST_END] = digest
-    # Align with the request's output tokens: SGLang slices these lists by token offset.
-    already = len(req.output_ids) if req.output_ids is not None else 0
+    # Align with the request's output tokens: SGLang slices these lists by token offset. The first
+    # token always comes from prefill (no round of ours); under the overlap scheduler output_ids can
+    # lag a round behind the worker, so the prefill token may not be visible yet at the first round.
+    already = max(len(req.output_ids) if req.output_ids is not None else 0, 1)
     for key, value in values.items():
         column = info.setdefault(key, [])
         if len(column) < already:

@@ -55,3 +55,14 @@ def test_a_round_run_after_the_request_finished_is_not_reported():
     meta = {key: list(values) for key, values in req.customized_info.items()} | {"completion_tokens": 7}
     finalize_meta_info(meta)
     assert meta["tts_accept_lengths"] == [2, 4]
+
+
+def test_rounds_stay_aligned_when_output_ids_lag_behind_the_worker():
+    """Under the overlap scheduler the worker runs round n+1 before the scheduler appended round n's
+    tokens (or even the prefill token) to output_ids; the lists still start after the prefill token."""
+    req = _req({"tts_return_accept_lengths": True}, output_ids=[])  # prefill token not appended yet
+    for accept_len in (2, 1, 3, 2):  # the last round ran after the request had finished at 7 tokens
+        write_request_info(req, RequestCounters(), accept_len)
+    meta = {key: list(values) for key, values in req.customized_info.items()} | {"completion_tokens": 7}
+    finalize_meta_info(meta)
+    assert meta["tts_accept_lengths"] == [2, 1, 3]
