@@ -42,6 +42,8 @@ class Canvas:
     context_mask: torch.Tensor | None = None  # [B, L] bool for `features` rows (DFlash)
     num_accepted: torch.Tensor | None = None  # [B] int64 drafts accepted this round (bonus excluded)
     request_ids: list[str] = field(default_factory=list)
+    # [B] int64 per-request adapter slot of each row (core/adapters.py; -1: none). None: no adapters.
+    slots: torch.Tensor | None = None
     round_index: int = 0
 
     @property
@@ -75,6 +77,7 @@ class Canvas:
             context_mask=mv(self.context_mask),
             num_accepted=mv(self.num_accepted),
             request_ids=list(self.request_ids),
+            slots=mv(self.slots),
         )
 
     def detach_clone(self) -> Canvas:
@@ -100,6 +103,7 @@ class Canvas:
             context_mask=cp(self.context_mask),
             num_accepted=cp(self.num_accepted),
             request_ids=list(self.request_ids),
+            slots=cp(self.slots),
         )
 
     def validate(self) -> None:

@@ -177,6 +177,8 @@ class Distiller:
         self.device = self.train_params[0].device
         self.base_weights = [p.detach().clone() for p in self.train_params]
         self.optimizer = self._make_optimizer()
+        groups = getattr(self.trained_drafter, "isolation_groups", None)
+        self._clip_groups = groups(self.train_names) if groups else [list(range(len(self.train_params)))]
         self._rollback = _RollbackPoint(self.train_params)
         self._num_submitted = 0
         self._unpublished = False  # the trained copy holds weights the serving copy has not seen
@@ -276,6 +278,19 @@ class Distiller:
         self._unpublished = True
         self.barrier(force=True)
 
+    def reset_parameters(self, names: list[str]) -> None:
+        """Restore some trained parameters to their base values and forget their optimiser state
+        (a per-request adapter slot being freed); published at the next barrier."""
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        index = {n: i for i, n in enumerate(self.train_names)}
+        with torch.no_grad():
+            for name in names:
+                i = index[name]
+                self.train_params[i].copy_(self.base_weights[i])
+                self.optimizer.state.pop(self.train_params[i], None)
+        self._unpublished = True
+
     def close(self) -> None:
         """Finish (and account for) the pending update, then stop the executor; publishes nothing."""
         if self.executor.pending:
@@ -302,6 +317,8 @@ class Distiller:
         with torch.no_grad():
             teacher, teacher_mask = drafter.teacher_probs(canvas)
             mask = canvas.valid & teacher_mask
+            if canvas.slots is not None:  # per-request adapters: rows without a slot train nothing
+                mask = mask & (canvas.slots.to(mask.device) >= 0)[:, None]
             num_positions = int(mask.sum())
             if num_positions == 0:
                 return UpdateOutcome("empty", reason="no position entered the loss")
@@ -347,14 +364,18 @@ class Distiller:
         return UpdateOutcome("ok", loss=first_loss, kl_teacher=first_kl, num_positions=num_positions)
 
     def _clip_gradients(self) -> float:
-        grads = [p.grad for p in self.train_params if p.grad is not None]
-        if not grads:
-            return 0.0
-        if self.config.max_grad_norm is not None:
-            norm = torch.nn.utils.clip_grad_norm_(self.train_params, self.config.max_grad_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
-        return float(norm)
+        """Clip (per isolation group: per request with adapters, so requests never scale each
+        other's steps); returns the total norm for the finiteness check."""
+        norms = []
+        for group in self._clip_groups:
+            params = [self.train_params[i] for i in group if self.train_params[i].grad is not None]
+            if not params:
+                continue
+            if self.config.max_grad_norm is not None:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, self.config.max_grad_norm))
+            else:
+                norms.append(torch.nn.utils.get_total_norm([p.grad for p in params]))
+        return float(torch.stack(norms).norm()) if norms else 0.0
 
     def _position_weights(self, length: int) -> torch.Tensor:
         """config.position_weights (cut to, or zero-padded to, the canvas length), else the drafter's."""

@@ -1,0 +1,307 @@
+"""Per-request low-rank adapters: each running request adapts its own copy of the drafter.
+
+A drafter adapted on one sequence drafts *worse* on another (premise note: 0.31-0.35 agreement vs
+0.39-0.44 untouched), so at batch > 1 one shared adapted drafter loses the gain. Here every request
+owns a slot of a `LowRankBank`: for each adapted linear layer y = W x, the request's rows compute
+
+    y = W x + scale * B_slot (A_slot x)        A_slot [r, in], B_slot [out, r], scale = alpha / r
+
+B starts at zero, so a fresh slot drafts exactly like the base drafter. Slots are separate leaf
+parameters: a row's output depends only on its own slot, so one backward over a batch gives each
+slot only its own request's gradient (isolation by construction), and the optimiser skips slots
+without a gradient (torch.optim skips parameters whose .grad is None).
+
+Two views of the same bank:
+  - training (`AdaptedDrafter`): forward hooks on the differentiable drafter's nn.Linear modules add
+    the delta of each canvas row's slot (rows = requests, `Canvas.slots`);
+  - serving (an engine's own draft model): `ServingBank` keeps the published slots stacked,
+    [num_slots + 1, r, in] with row 0 all zeros ("no adapter": requests beyond the cap), and
+    `lowrank_delta` applies them per token (gathered batched matmul; a Triton kernel on CUDA).
+
+Memory is allocated once for `num_slots` (static buffers, as CUDA graphs need); a released slot is
+reset to its initial values and its optimiser state dropped, so nothing of a request outlives it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sglang_tts.core.canvas import Canvas
+
+NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
+
+
+@dataclass(frozen=True)
+class AdaptedLinear:
+    """One linear layer the bank adapts, named as in the differentiable drafter."""
+
+    name: str
+    in_features: int
+    out_features: int
+
+
+def adaptable_linears(drafter: nn.Module, suffixes: Sequence[str]) -> list[AdaptedLinear]:
+    """The drafter's nn.Linear modules whose names end with one of `suffixes`, in module order."""
+    found = [
+        AdaptedLinear(name, m.in_features, m.out_features)
+        for name, m in drafter.named_modules()
+        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in suffixes
+    ]
+    if not found:
+        raise ValueError(f"the drafter has no linear layer named {list(suffixes)} to adapt")
+    return found
+
+
+def lowrank_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
+    """scale * B[slots[n]] @ (A[slots[n]] @ x[n]) for every row n: x [N, in], a [S, r, in],
+    b [S, out, r], slots [N] (indices into the stacks) -> [N, out]. PyTorch reference."""
+    h = torch.bmm(a[slots], x.unsqueeze(-1))  # [N, r, 1]
+    return torch.bmm(b[slots], h).squeeze(-1) * scale
+
+
+class SlotTable:
+    """request id -> slot, at most `num_slots` at once; requests beyond the cap get none."""
+
+    def __init__(self, num_slots: int) -> None:
+        if num_slots < 1:
+            raise ValueError(f"the number of adapter slots must be >= 1, got {num_slots}")
+        self.num_slots = num_slots
+        self.slot_of: dict[str, int] = {}
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.num_capped = 0  # requests that found no free slot (served by the base drafter)
+        self._capped: set[str] = set()
+
+    def acquire(self, rid: str) -> int | None:
+        if rid in self.slot_of:
+            return self.slot_of[rid]
+        if rid in self._capped:
+            return None
+        if not self._free:
+            self._capped.add(rid)
+            self.num_capped += 1
+            return None
+        slot = self._free.pop()
+        self.slot_of[rid] = slot
+        return slot
+
+    def release(self, rid: str) -> int | None:
+        self._capped.discard(rid)
+        slot = self.slot_of.pop(rid, None)
+        if slot is not None:
+            self._free.append(slot)
+        return slot
+
+    def slots(self, rids: Iterable[str]) -> torch.Tensor:
+        """[len(rids)] int64 slot per request, NO_SLOT where it has none."""
+        return torch.tensor([self.slot_of.get(r, NO_SLOT) for r in rids], dtype=torch.int64)
+
+    def live(self) -> list[str]:
+        return list(self.slot_of)
+
+
+class LowRankBank(nn.Module):
+    """The trainable per-slot A/B matrices of every adapted layer (one leaf parameter each)."""
+
+    def __init__(
+        self, layers: Sequence[AdaptedLinear], num_slots: int, rank: int, alpha: float | None = None, seed: int = 0
+    ) -> None:
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"adapter rank must be >= 1, got {rank}")
+        self.layers = list(layers)
+        self.index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self.num_slots, self.rank = num_slots, rank
+        self.scale = float(alpha if alpha is not None else rank) / rank
+        gen = torch.Generator().manual_seed(seed)
+        # LoRA's initialisation: A ~ U(+-1/sqrt(in)), B = 0 (every slot starts at the base drafter).
+        self.a_init = [
+            (torch.rand(rank, layer.in_features, generator=gen) * 2 - 1) / math.sqrt(layer.in_features)
+            for layer in self.layers
+        ]
+        self.a = nn.ParameterList(
+            nn.Parameter(self.a_init[i].clone()) for i in range(len(self.layers)) for _ in range(num_slots)
+        )
+        self.b = nn.ParameterList(
+            nn.Parameter(torch.zeros(layer.out_features, rank)) for layer in self.layers for _ in range(num_slots)
+        )
+
+    def a_param(self, layer: int, slot: int) -> nn.Parameter:
+        return self.a[layer * self.num_slots + slot]
+
+    def b_param(self, layer: int, slot: int) -> nn.Parameter:
+        return self.b[layer * self.num_slots + slot]
+
+    def slot_parameter_names(self, slot: int) -> list[str]:
+        """Names (as in named_parameters of the owner, prefix 'bank.') of one slot's tensors."""
+        out = []
+        for i in range(len(self.layers)):
+            k = i * self.num_slots + slot
+            out += [f"bank.a.{k}", f"bank.b.{k}"]
+        return out
+
+    def slot_of_parameter(self, name: str) -> int:
+        """The slot of a parameter named 'bank.a.K' / 'bank.b.K'."""
+        return int(name.rsplit(".", 1)[-1]) % self.num_slots
+
+    def layer_of_parameter(self, name: str) -> int:
+        return int(name.rsplit(".", 1)[-1]) // self.num_slots
+
+    @torch.no_grad()
+    def reset_slot(self, slot: int) -> None:
+        for i in range(len(self.layers)):
+            self.a_param(i, slot).copy_(self.a_init[i])
+            self.b_param(i, slot).zero_()
+
+    def row_delta(self, layer: int, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
+        """Differentiable delta for x [B, ..., in] whose batch row b uses slot row_slots[b]
+        (NO_SLOT: zero). Only the slots present take part in the graph."""
+        b_rows = x.shape[0]
+        flat = x.reshape(b_rows, -1, x.shape[-1])
+        out = flat.new_zeros(b_rows, flat.shape[1], self.layers[layer].out_features)
+        rows = [r for r in range(b_rows) if int(row_slots[r]) != NO_SLOT]
+        if rows:
+            a = torch.stack([self.a_param(layer, int(row_slots[r])) for r in rows])  # [R, r, in]
+            b = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, r]
+            index = torch.tensor(rows, device=x.device)
+            delta = torch.bmm(torch.bmm(flat[index], a.transpose(1, 2)), b.transpose(1, 2)) * self.scale
+            out = out.index_put((index,), delta)
+        return out.reshape(*x.shape[:-1], -1)
+
+
+class _RowDeltaHook:
+    """Forward hook adding the bank's per-row delta to one nn.Linear's output. A callable object
+    (not a closure) so that deep-copying the drafter rebinds it to the copy's bank."""
+
+    def __init__(self, owner: AdaptedDrafter, layer: int) -> None:
+        self.owner, self.layer = owner, layer
+
+    def __call__(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor | None:
+        slots = self.owner.active_slots
+        if slots is None:
+            return None
+        x = inputs[0]
+        if x.shape[0] != slots.shape[0]:
+            raise RuntimeError(f"adapter rows {slots.shape[0]} != batch {x.shape[0]} at {module}")
+        return output + self.owner.bank.row_delta(self.layer, x, slots)
+
+
+class AdaptedDrafter(nn.Module):
+    """A differentiable drafter plus per-request low-rank adapters; the base stays frozen.
+
+    Implements the same DifferentiableDrafter interface; canvas rows use the slots in
+    `canvas.slots` (NO_SLOT or None: the base drafter)."""
+
+    def __init__(
+        self,
+        base: nn.Module,
+        num_slots: int,
+        rank: int,
+        alpha: float | None = None,
+        layers: Sequence[str] = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.base = base
+        self.kind = base.kind
+        for p in base.parameters():
+            p.requires_grad_(False)
+        adapted = adaptable_linears(base, layers)
+        self.bank = LowRankBank(adapted, num_slots, rank, alpha, seed)
+        self.active_slots: torch.Tensor | None = None
+        for i, layer in enumerate(adapted):
+            base.get_submodule(layer.name).register_forward_hook(_RowDeltaHook(self, i))
+        if hasattr(base, "draft_to_target_ids"):  # EAGLE-3's draft -> target vocabulary map
+            self.draft_to_target_ids = base.draft_to_target_ids
+
+    # --- DifferentiableDrafter --------------------------------------------------------------
+
+    def _with_slots(self, canvas: Canvas, fn):
+        self.active_slots = canvas.slots
+        try:
+            return fn(canvas)
+        finally:
+            self.active_slots = None
+
+    def canvas_hidden(self, canvas: Canvas) -> torch.Tensor:
+        return self._with_slots(canvas, self.base.canvas_hidden)
+
+    def canvas_logits(self, canvas: Canvas) -> torch.Tensor:
+        return self._with_slots(canvas, self.base.canvas_logits)
+
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.base.lm_head_weight()
+
+    def teacher_probs(self, canvas: Canvas) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.teacher_probs(canvas)
+
+    def default_position_weights(self, length: int) -> torch.Tensor:
+        return self.base.default_position_weights(length)
+
+    def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(n, p) for n, p in self.named_parameters() if n.startswith("bank.")]
+
+    def isolation_groups(self, names: Sequence[str]) -> list[list[int]]:
+        """Indices into `names` grouped by slot: gradient clipping is per request."""
+        groups: dict[int, list[int]] = {}
+        for i, name in enumerate(names):
+            groups.setdefault(self.bank.slot_of_parameter(name), []).append(i)
+        return list(groups.values())
+
+
+class ServingBank:
+    """The published adapters, stacked per layer for the engine's batched draft forward:
+    a [num_slots + 1, r, in], b [num_slots + 1, out, r]; stack row 0 is the all-zero "no adapter"
+    row, slot s lives in row s + 1. Written only at the Distiller's barrier (publish)."""
+
+    def __init__(self, bank: LowRankBank, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
+        self.scale = bank.scale
+        self.names = [layer.name for layer in bank.layers]
+        self.index = dict(bank.index)
+        self.num_slots = bank.num_slots
+        self.a = [
+            torch.zeros(bank.num_slots + 1, bank.rank, layer.in_features, device=device, dtype=dtype or torch.float32)
+            for layer in bank.layers
+        ]
+        self.b = [
+            torch.zeros(bank.num_slots + 1, layer.out_features, bank.rank, device=device, dtype=dtype or torch.float32)
+            for layer in bank.layers
+        ]
+        with torch.no_grad():
+            for i in range(len(bank.layers)):
+                for s in range(bank.num_slots):
+                    self.a[i][s + 1].copy_(bank.a_param(i, s))
+
+    def destinations(self, bank: LowRankBank) -> dict[str, torch.Tensor]:
+        """Trained parameter name -> the view of the stack it publishes into."""
+        out = {}
+        for i in range(len(bank.layers)):
+            for s in range(bank.num_slots):
+                k = i * bank.num_slots + s
+                out[f"bank.a.{k}"] = self.a[i][s + 1]
+                out[f"bank.b.{k}"] = self.b[i][s + 1]
+        return out
+
+    @staticmethod
+    def stack_rows(slots: torch.Tensor) -> torch.Tensor:
+        """Slots (NO_SLOT = -1 allowed) -> stack rows (0 = no adapter)."""
+        return slots + 1
+
+    def delta(self, name: str, x: torch.Tensor, stack_rows: torch.Tensor) -> torch.Tensor:
+        """Per-token delta of layer `name` for x [N, in] with stack rows [N]."""
+        i = self.index[name]
+        a, b = self.a[i], self.b[i]
+        rank = a.shape[1]
+        if x.is_cuda and not rank & (rank - 1):
+            from triton_kernels.lowrank import triton_available, triton_lowrank_delta
+
+            if triton_available():  # reads each token's adapter in place instead of gathering copies
+                return triton_lowrank_delta(x, a, b, stack_rows, self.scale)
+        return lowrank_delta(x, a.to(x.dtype), b.to(x.dtype), stack_rows, self.scale)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a, *self.b))

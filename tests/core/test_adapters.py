@@ -1,0 +1,197 @@
+"""Per-request low-rank adapters: isolation, divergence, slot lifecycle, serving/training agreement."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from core_testing import TinyDrafter, TinyTeacher, random_canvas
+
+from sglang_tts.config import TTSConfig
+from sglang_tts.core.adapters import NO_SLOT, AdaptedDrafter, ServingBank, SlotTable, lowrank_delta
+from sglang_tts.core.distiller import Distiller
+from sglang_tts.core.executor import SyncExecutor
+from sglang_tts.core.publish import WeightPublisher
+
+LAYERS = ("inp", "qkv", "attn_out")
+
+
+def _config(**overrides: Any) -> TTSConfig:
+    base = {"update_stride": 1, "lr": 3e-2, "reg_lambda": 0.0, "log_interval": 0}
+    return TTSConfig(**{**base, **overrides})
+
+
+def _adapted(num_slots: int = 4, rank: int = 4) -> AdaptedDrafter:
+    return AdaptedDrafter(TinyDrafter(seed=0), num_slots=num_slots, rank=rank, layers=LAYERS)
+
+
+def _with_slots(canvas, slots):
+    canvas.slots = torch.tensor(slots, dtype=torch.int64)
+    return canvas
+
+
+def _teacher_canvas(teachers, generator, slots):
+    """One row per request; row i is labelled by teachers[i]."""
+    rows = [t.canvas(generator, batch=1) for t in teachers]
+    canvas = rows[0]
+    for name in ("input_ids", "positions", "target_logits", "valid", "features"):
+        setattr(canvas, name, torch.cat([getattr(r, name) for r in rows]))
+    return _with_slots(canvas, slots)
+
+
+def test_a_fresh_slot_drafts_exactly_like_the_base_drafter(generator):
+    drafter = _adapted()
+    canvas = random_canvas(generator, batch=3)
+    base = drafter.base.canvas_logits(canvas)
+    assert torch.equal(drafter.canvas_logits(_with_slots(canvas, [0, NO_SLOT, 2])), base)
+
+
+def test_one_backward_gives_each_request_only_its_own_gradient(generator):
+    """The batched loss's gradient on slot 0 equals the gradient of row 0's loss alone."""
+    drafter = _adapted()
+    teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
+    canvas = _teacher_canvas([teacher_a, teacher_b], generator, [0, 1])
+    with torch.no_grad():  # move B off zero so A's gradient is non-trivial too
+        for p in drafter.bank.b:
+            p.normal_(std=0.1)
+
+    def grads(c):
+        drafter.zero_grad(set_to_none=True)
+        probs, _ = drafter.teacher_probs(c)
+        logp = torch.log_softmax(drafter.canvas_logits(c), -1)
+        (-(probs * logp).sum()).backward()
+        return {n: (p.grad.clone() if p.grad is not None else None) for n, p in drafter.trainable_named_parameters()}
+
+    both = grads(canvas)
+    only_a = grads(_row(canvas, 0))
+    slot0 = set(drafter.bank.slot_parameter_names(0))
+    slot1 = set(drafter.bank.slot_parameter_names(1))
+    for name in slot0:
+        torch.testing.assert_close(both[name], only_a[name], rtol=1e-5, atol=1e-7)
+        assert only_a[name].abs().sum() > 0
+    for name in slot1:
+        assert only_a[name] is None  # row 0 never touches slot 1
+        assert both[name].abs().sum() > 0
+
+
+def _row(canvas, i):
+    out = canvas.detach_clone()
+    for name in ("input_ids", "positions", "target_logits", "valid", "features", "slots"):
+        setattr(out, name, getattr(out, name)[i : i + 1])
+    return out
+
+
+def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_diverge(generator):
+    drafter = _adapted()
+    distiller = Distiller(drafter, _config(), executor=SyncExecutor())
+    serving = distiller.serving_drafter
+    teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
+    probe_b = _with_slots(random_canvas(generator, batch=1), [1])
+    before_b = serving.canvas_logits(probe_b)
+    for _ in range(5):  # only request A (slot 0) is running and updating
+        distiller.barrier()
+        distiller.observe(_teacher_canvas([teacher_a], generator, [0]))
+    distiller.barrier(force=True)
+    assert distiller.stats.num_updates == 5
+    assert torch.equal(serving.canvas_logits(probe_b), before_b), "A's updates changed B's drafts"
+    probe_a = _with_slots(random_canvas(generator, batch=1), [0])
+    assert not torch.equal(serving.canvas_logits(probe_a), drafter.base.canvas_logits(probe_a))
+
+    # Now both run in one batch, each on its own sequence (a few fixed canvases per request, as a
+    # request revisits its own context): one backward per update covers both.
+    canvases = [_teacher_canvas([teacher_a, teacher_b], generator, [0, 1]) for _ in range(3)]
+    for step in range(30):
+        distiller.barrier()
+        distiller.observe(canvases[step % 3])
+    distiller.barrier(force=True)
+
+    def agreement(slot: int, row: int) -> float:
+        hits = []
+        for c in canvases:
+            c = _row(c, row)
+            c.slots = torch.tensor([slot])
+            hits.append((serving.canvas_logits(c).argmax(-1) == c.target_logits.argmax(-1)).float().mean())
+        return float(torch.stack(hits).mean())
+
+    # Each adapter fits its own request better than the other request's adapter or the base does.
+    assert agreement(0, 0) > agreement(1, 0) + 0.2
+    assert agreement(1, 1) > agreement(0, 1) + 0.2
+    assert agreement(0, 0) > agreement(NO_SLOT, 0) + 0.2
+
+
+def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(generator):
+    drafter = _adapted()
+    distiller = Distiller(drafter, _config(), executor=SyncExecutor())
+    teacher = TinyTeacher(seed=11)
+    distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
+    distiller.barrier(force=True)
+    slot1 = {n: p.detach().clone() for n, p in distiller.trained_drafter.trainable_named_parameters()}
+    distiller.observe(_teacher_canvas([teacher], generator, [0]))
+    distiller.barrier(force=True)
+    after = dict(distiller.trained_drafter.trainable_named_parameters())
+    for name in distiller.trained_drafter.bank.slot_parameter_names(1):
+        assert torch.equal(after[name], slot1[name])
+    assert any(not torch.equal(after[n], slot1[n]) for n in distiller.trained_drafter.bank.slot_parameter_names(0))
+
+
+def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(generator):
+    drafter = _adapted(num_slots=2)
+    distiller = Distiller(drafter, _config(), executor=SyncExecutor())
+    initial = {n: p.detach().clone() for n, p in distiller.trained_drafter.trainable_named_parameters()}
+    teacher = TinyTeacher(seed=11)
+    for _ in range(3):
+        distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
+        distiller.barrier()
+    assert len(distiller.optimizer.state) > 0
+    for slot in (0, 1):
+        distiller.reset_parameters(distiller.trained_drafter.bank.slot_parameter_names(slot))
+    distiller.barrier()
+    assert len(distiller.optimizer.state) == 0  # nothing of the requests is left
+    for name, p in distiller.trained_drafter.trainable_named_parameters():
+        assert torch.equal(p, initial[name])
+    probe = _with_slots(random_canvas(generator, batch=2), [0, 1])
+    assert torch.equal(distiller.serving_drafter.canvas_logits(probe), drafter.base.canvas_logits(probe))
+
+
+def test_slot_table_caps_counts_and_reuses_slots():
+    table = SlotTable(2)
+    assert table.acquire("a") == 0 and table.acquire("b") == 1
+    assert table.acquire("c") is None and table.acquire("c") is None
+    assert table.num_capped == 1
+    assert table.slots(["b", "c", "a"]).tolist() == [1, NO_SLOT, 0]
+    assert table.release("a") == 0 and table.release("c") is None
+    assert table.acquire("d") == 0
+    assert sorted(table.live()) == ["b", "d"]
+    with pytest.raises(ValueError):
+        SlotTable(0)
+
+
+def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator):
+    """Per-token gathered deltas on the published stacks == the training path's per-row deltas."""
+    drafter = _adapted(num_slots=3)
+    with torch.no_grad():
+        for p in (*drafter.bank.a, *drafter.bank.b):
+            p.normal_()
+    serving = ServingBank(drafter.bank)
+    WeightPublisher.from_name_map(
+        serving.destinations(drafter.bank), dict(drafter.trainable_named_parameters())
+    ).publish(dict(drafter.trainable_named_parameters()))
+    x = torch.randn(4, 5, drafter.bank.layers[1].in_features, generator=generator)
+    row_slots = torch.tensor([2, NO_SLOT, 0, 1])
+    expected = drafter.bank.row_delta(1, x, row_slots)
+    tokens = x.reshape(-1, x.shape[-1])
+    token_rows = ServingBank.stack_rows(row_slots.repeat_interleave(5))
+    got = serving.delta("qkv", tokens, token_rows).reshape(4, 5, -1)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], torch.zeros_like(got[1]))  # "no adapter" row
+    assert serving.nbytes() == sum(4 * (t.numel()) for t in (*serving.a, *serving.b))
+
+
+def test_lowrank_delta_reference_matches_the_dense_formula(generator):
+    a = torch.randn(3, 2, 6, generator=generator)
+    b = torch.randn(3, 5, 2, generator=generator)
+    x = torch.randn(7, 6, generator=generator)
+    slots = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    dense = torch.stack([0.5 * b[s] @ a[s] @ x[n] for n, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(lowrank_delta(x, a, b, slots, 0.5), dense)
