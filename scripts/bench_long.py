@@ -1,0 +1,270 @@
+#!/usr/bin/env python
+"""Long-reasoning benchmark: frozen vs TTS drafters (and the plain target) on long outputs.
+
+Launches one SGLang server per configuration at a time, interleaved over rounds of prompts (or
+targets a running server with --base-url), records every request's per-round accept lengths,
+tokens, wall time and TTS update counters, and writes results/<run>/results.json, report.md and
+PNG plots (four per sampling mode). Requests go through the openai client (/v1/chat/completions,
+meta_info via extra_body) unless --api generate. See sglang_tts/bench/ for the definitions and the
+schedule, and the README's "Benchmarks" section for the outputs.
+
+Examples::
+
+    python scripts/bench_long.py --smoke                       # tiny offline models, a few minutes
+    python scripts/bench_long.py --datasets aime2024 math500 --num-prompts 5 \\
+        --configs no-spec stock frozen tts-s1 tts-s5 tts-s5-sync --drafter-kind eagle3 dflash
+    python scripts/bench_long.py --base-url http://127.0.0.1:30000 --configs eagle3:tts-s5
+    python scripts/bench_long.py --from-json results/RUN/results.json --bucket 128   # re-aggregate
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+# Runnable from a checkout without `pip install -e .`.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from sglang_tts.bench import smoke  # noqa: E402
+from sglang_tts.bench.configs import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    KINDS,
+    BenchConfig,
+    ConfigError,
+    build_configs,
+    kinds_needed,
+    parse_config_name,
+    parse_drafter_args,
+    resolve_drafters,
+    split_server_args,
+)
+from sglang_tts.bench.runner import RunnerSettings, SamplingSettings, get_json  # noqa: E402
+from sglang_tts.bench.suite import BenchPlan, rerender, run_suite, summary_lines  # noqa: E402
+from sglang_tts.bench.workload import chat_prompts, sample_prompts  # noqa: E402
+
+DEFAULT_DATASETS = ("aime2024", "math500")
+DEFAULT_TEMPERATURES = (0.0, 0.7)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add = parser.add_argument
+    add(
+        "--smoke",
+        action="store_true",
+        help="tiny offline models, 2 chat prompts, 256 greedy tokens, frozen + tts-s1 (flags below still apply)",
+    )
+    add("--from-json", type=Path, help="only re-aggregate an existing results.json (report.md and plots beside it)")
+    what = parser.add_argument_group("configurations")
+    what.add_argument(
+        "--configs", nargs="+", help=f"names (default: {' '.join(DEFAULT_CONFIGS)}); KIND:NAME for one kind"
+    )
+    what.add_argument("--drafter-kind", nargs="+", choices=KINDS, help="drafter kinds to run (default eagle3)")
+    what.add_argument("--drafter", action="append", default=[], help="[KIND=]PATH (default: trained drafters in cache)")
+    what.add_argument("--model", help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
+    what.add_argument("--tts-lr", type=float, help="--tts-lr for the TTS configurations (default: the server's)")
+    what.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra launch flags for every server, e.g. --server-arg=--tts-scope=global",
+    )
+    what.add_argument(
+        "--base-url", help="benchmark this running server instead (one configuration: name it with --configs)"
+    )
+    what.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="cpu adds the CPU launch flags")
+    data = parser.add_argument_group("prompts and sampling")
+    data.add_argument("--datasets", nargs="+", help=f"prompt sources (default: {' '.join(DEFAULT_DATASETS)})")
+    data.add_argument("--num-prompts", type=int, default=None, help="prompts per dataset (default 4; all: 0)")
+    data.add_argument("--seed", type=int, default=0, help="seed of the prompt sample")
+    data.add_argument("--max-new-tokens", type=int, help="tokens per answer (default 2048)")
+    data.add_argument(
+        "--temperature",
+        type=float,
+        nargs="+",
+        help="every prompt runs once per temperature, 0 = greedy (default: 0 0.7; smoke: 0)",
+    )
+    data.add_argument("--top-p", type=float, default=1.0)
+    data.add_argument("--top-k", type=int, default=-1)
+    data.add_argument("--ignore-eos", action="store_true", default=None, help="always generate --max-new-tokens")
+    data.add_argument(
+        "--api",
+        choices=("openai", "generate"),
+        default="openai",
+        help="openai: /v1/chat/completions through the openai client (default); generate: SGLang's /generate",
+    )
+    run = parser.add_argument_group("run and report")
+    run.add_argument(
+        "--rounds", type=int, help="prompt chunks, every configuration per chunk (default min(3, prompts))"
+    )
+    run.add_argument("--bucket", type=int, help="output-position bucket in tokens (default 256; smoke 32)")
+    run.add_argument(
+        "--warmup-tokens", type=int, help="unrecorded warm-up request per server (default 32, smoke 8; 0: none)"
+    )
+    run.add_argument("--request-timeout", type=float, default=3600.0)
+    run.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
+    run.add_argument("--out", type=Path, default=Path("results"), help="parent folder of the run folder")
+    run.add_argument("--run", help="run folder name (default: a timestamp)")
+    run.add_argument("--smoke-dir", type=Path, help="where --smoke writes its tiny models (default: the cache)")
+    run.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    return parser
+
+
+def _cpu_defaults(device: str) -> bool:
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig:
+    """The one configuration a --base-url run measures, named by --configs (checked against the server)."""
+    speculative = server_info.get("speculative_algorithm") is not None
+    names = args.configs or (["no-spec"] if not speculative else [])
+    if len(names) != 1:
+        raise ConfigError("--base-url measures one configuration: name it with --configs, e.g. eagle3:tts-s5")
+    spec = parse_config_name(names[0])
+    if (spec.variant != "no-spec") != speculative:
+        raise ConfigError(
+            f"--configs {names[0]} does not match the server (speculative_algorithm="
+            f"{server_info.get('speculative_algorithm')})"
+        )
+    kind = spec.kind or (args.drafter_kind[0] if args.drafter_kind and spec.variant != "no-spec" else None)
+    if spec.variant != "no-spec" and kind is None:
+        raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
+    name = "no-spec" if spec.variant == "no-spec" else f"{kind}:{spec.base_name}"
+    return BenchConfig(
+        name, spec.variant, kind, server_info.get("speculative_draft_model_path"), spec.stride, spec.sync
+    )
+
+
+def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
+    """Resolve models, drafters, prompts and configurations (smoke defaults where flags are absent)."""
+    temperatures = tuple(args.temperature or ((0.0,) if args.smoke else DEFAULT_TEMPERATURES))
+    if any(t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
+        raise ConfigError(f"--temperature: distinct values >= 0 please, got {' '.join(map(str, temperatures))}")
+    sampling = SamplingSettings(
+        max_new_tokens=args.max_new_tokens or (smoke.MAX_NEW_TOKENS if args.smoke else 2048),
+        temperature=temperatures[0],
+        top_p=args.top_p,
+        top_k=args.top_k,
+        ignore_eos=bool(args.ignore_eos if args.ignore_eos is not None else args.smoke),
+    )
+    run_name = args.run or time.strftime("%Y%m%d-%H%M%S") + ("-smoke" if args.smoke else "")
+    settings: dict = {}
+    server_info = None
+    tts_lr = args.tts_lr if args.tts_lr is not None else (smoke.TTS_LR if args.smoke else None)
+    kinds = list(args.drafter_kind or (smoke.KINDS if args.smoke else ("eagle3",)))
+    names = list(args.configs or (smoke.CONFIGS if args.smoke else DEFAULT_CONFIGS))
+    for name in names:  # refuse a bad name before preparing models or contacting servers
+        parse_config_name(name)
+
+    if args.smoke:
+        models = smoke.prepare_smoke_models(args.smoke_dir)
+        model = str(models.target)
+        drafters = {**models.drafters, **parse_drafter_args(args.drafter, kinds)}
+    elif args.base_url:
+        try:
+            server_info = get_json(args.base_url.rstrip("/") + "/server_info")
+        except OSError as error:  # URLError, refused, timeout
+            raise ConfigError(f"--base-url {args.base_url}: cannot read /server_info ({error})") from None
+        model = args.model or server_info.get("tokenizer_path") or server_info.get("model_path")
+        drafters = {}
+    else:
+        from sglang_tts.assets import prepare_default_model
+
+        model = args.model or str(prepare_default_model())
+        wanted = kinds_needed(names, kinds)
+        drafters = resolve_drafters(wanted, parse_drafter_args(args.drafter, kinds), Path(model).name)
+
+    if args.base_url:
+        configs = [_external_config(args, server_info or {})]
+    else:
+        extra = split_server_args(args.server_arg)
+        configs = build_configs(names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra)
+
+    # /generate sends token ids: apply the chat template here, with the target's tokenizer.
+    tokenizer = model if args.api == "generate" else None
+    if args.smoke and not args.datasets:
+        # The tiny model is no instruction follower: the bare text, no reasoning instruction.
+        prompts = chat_prompts(list(smoke.PROMPTS), tokenizer, instruction=None)
+        settings["datasets"] = ", ".join(dict.fromkeys(p.dataset for p in smoke.PROMPTS))
+    else:
+        datasets = list(args.datasets or DEFAULT_DATASETS)
+        n = None if args.num_prompts == 0 else (args.num_prompts or 4)
+        prompts = chat_prompts(sample_prompts(datasets, n, args.seed), tokenizer)
+        settings["datasets"] = ", ".join(datasets)
+        settings["prompts per dataset"] = n if n is not None else "all"
+        settings["seed"] = args.seed
+
+    settings.update(
+        {
+            "model": model,
+            "drafters": ", ".join(f"{k}={v}" for k, v in drafters.items()) or "none",
+            "prompts": len(prompts),
+            "max_new_tokens": sampling.max_new_tokens,
+            "temperatures": ", ".join(f"{t:g}" for t in temperatures),
+            "top_p": sampling.top_p,
+            "top_k": sampling.top_k,
+            "ignore_eos": sampling.ignore_eos,
+            "api": "/v1/chat/completions (openai client)" if args.api == "openai" else "/generate (token ids)",
+            "tts_lr": tts_lr if tts_lr is not None else "server default",
+            "smoke": args.smoke,
+        }
+    )
+    warmup = args.warmup_tokens if args.warmup_tokens is not None else (smoke.WARMUP_TOKENS if args.smoke else 32)
+    runner = RunnerSettings(
+        model=model,
+        sampling=sampling,
+        temperatures=temperatures,
+        api=args.api,
+        warmup_tokens=warmup,
+        request_timeout_s=args.request_timeout,
+        server_timeout_s=args.server_timeout,
+        cpu_defaults=_cpu_defaults(args.device),
+        base_url=args.base_url.rstrip("/") if args.base_url else None,
+        served_model=(server_info or {}).get("served_model_name"),
+    )
+    default_rounds = 1 if args.smoke else min(3, len(prompts))
+    return BenchPlan(
+        run_dir=args.out / run_name,
+        argv=argv,
+        configs=configs,
+        prompts=prompts,
+        runner=runner,
+        rounds=args.rounds or default_rounds,
+        bucket=args.bucket or (smoke.BUCKET if args.smoke else 256),
+        settings=settings,
+        server_info=server_info,
+        progress=not args.quiet,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv if argv is None else [sys.argv[0], *argv])
+    parser = build_parser()
+    args = parser.parse_args(argv[1:])
+    if args.from_json:
+        result = rerender(args.from_json, args.bucket)
+    else:
+        try:
+            plan = plan_from_args(args, argv)
+        except ConfigError as error:
+            parser.error(str(error))
+        n_configs, n_prompts = len(plan.configs), len(plan.prompts)
+        print(
+            f"[bench] {n_configs} configurations x {n_prompts} prompts in {plan.rounds} round(s) -> {plan.run_dir}",
+            file=sys.stderr,
+        )
+        result = run_suite(plan)
+    print(result.report.read_text())
+    for line in summary_lines(result):
+        print(line)
+    return 1 if result.failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Named server configurations of the benchmark and the drafters they serve.
+
+Names (``--configs``): ``no-spec`` (the plain target), ``stock`` (SGLang's own ``EAGLE3`` or ``DFLASH``
+algorithm with the same drafter: the throughput baseline without the plugin's worker), ``frozen`` (TTS
+with ``--tts-freeze``: the same code path as TTS with no updates, tested equal to stock EAGLE3/DFLASH in
+acceptance, and it reports per-round accept lengths, which stock servers do not), ``tts-s{S}``
+(``--tts-update-stride S``) and ``tts-s{S}-sync`` (``--tts-sync`` too). A speculative name applies to
+every ``--drafter-kind``; ``KIND:NAME`` (e.g. ``eagle3:tts-s5``) to that kind only. Full names are
+``no-spec`` and ``KIND:NAME``.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_tts.assets import cache_root
+
+KINDS = ("eagle3", "dflash")
+STRIDES = (1, 2, 5, 10, 20)
+STOCK_ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+DEFAULT_CONFIGS = ("no-spec", "stock", "frozen", *(f"tts-s{s}" for s in STRIDES), "tts-s1-sync", "tts-s5-sync")
+# EAGLE-3 chain drafting (3 drafts, 4 verified tokens), as in the demo and the serving tests.
+EAGLE3_CHAIN_ARGS = (
+    "--speculative-num-steps",
+    "3",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "4",
+)
+
+_NAME = re.compile(r"^(?:(?P<kind>[a-z0-9]+):)?(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?)$")
+
+
+class ConfigError(ValueError):
+    """A configuration name, drafter or argument that cannot be used; the message says what would."""
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    """One parsed ``--configs`` entry; ``kind`` None means every requested drafter kind."""
+
+    variant: str  # "no-spec" | "stock" | "frozen" | "tts"
+    kind: str | None = None
+    stride: int | None = None
+    sync: bool = False
+
+    @property
+    def base_name(self) -> str:
+        if self.variant != "tts":
+            return self.variant
+        return f"tts-s{self.stride}" + ("-sync" if self.sync else "")
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A server configuration: what to launch and how to label its results."""
+
+    name: str  # "no-spec" or "KIND:base_name"
+    variant: str  # "no-spec" | "stock" | "frozen" | "tts"
+    kind: str | None = None
+    drafter: str | None = None
+    stride: int | None = None
+    sync: bool = False
+    server_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def base_name(self) -> str:
+        return self.name.split(":", 1)[-1]
+
+    @property
+    def speculative(self) -> bool:
+        return self.variant != "no-spec"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["server_args"] = list(self.server_args)
+        return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> BenchConfig:
+        return cls(**{**data, "server_args": tuple(data.get("server_args", ()))})
+
+
+def parse_config_name(text: str) -> ConfigSpec:
+    """``frozen``, ``tts-s5``, ``eagle3:tts-s5-sync``, ``no-spec`` -> :class:`ConfigSpec`."""
+    match = _NAME.match(text.strip())
+    if match is None:
+        raise ConfigError(
+            f"unknown configuration {text!r}: use no-spec, stock, frozen, tts-s<S> or tts-s<S>-sync, optionally "
+            f"prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5"
+        )
+    kind = match["kind"]
+    if kind is not None and kind not in KINDS:
+        raise ConfigError(f"{text!r}: unknown drafter kind {kind!r} (use {', '.join(KINDS)})")
+    base = match["base"]
+    if base == "no-spec":
+        if kind is not None:
+            raise ConfigError(f"{text!r}: no-spec serves no drafter, so it takes no kind prefix")
+        return ConfigSpec("no-spec")
+    if base in ("stock", "frozen"):
+        return ConfigSpec(base, kind)
+    stride = int(match["stride"])
+    if stride < 1:
+        raise ConfigError(f"{text!r}: the update stride must be >= 1")
+    return ConfigSpec("tts", kind, stride, bool(match["sync"]))
+
+
+def split_server_args(values: Iterable[str]) -> tuple[str, ...]:
+    """``--server-arg`` values, each possibly several shell words ("--tts-scope global"), as one argv list."""
+    return tuple(word for value in values for word in shlex.split(value))
+
+
+def tts_server_args(spec: ConfigSpec, drafter: Path, kind: str, tts_lr: float | None) -> list[str]:
+    """Launch flags of one speculative configuration (before the user's ``--server-arg`` extras)."""
+    algorithm = STOCK_ALGORITHM[kind] if spec.variant == "stock" else "TTS"
+    args = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(drafter)]
+    if kind == "eagle3":
+        args += EAGLE3_CHAIN_ARGS
+    if spec.variant == "stock":
+        return args
+    if spec.variant == "frozen":
+        return [*args, "--tts-freeze"]
+    args += ["--tts-update-stride", str(spec.stride)]
+    if tts_lr is not None:
+        args += ["--tts-lr", repr(tts_lr)]
+    if spec.sync:
+        args.append("--tts-sync")
+    return args
+
+
+def build_configs(
+    names: Sequence[str],
+    kinds: Sequence[str],
+    drafters: Mapping[str, Path],
+    *,
+    tts_lr: float | None = None,
+    extra_server_args: Sequence[str] = (),
+) -> list[BenchConfig]:
+    """Expand ``--configs`` over ``--drafter-kind`` into launchable configurations, in a stable order.
+
+    Order: no-spec, then per kind (in ``kinds`` order) the names in the order given. Duplicates collapse.
+    ``drafters`` maps each kind that a speculative configuration needs to its checkpoint folder.
+    ``extra_server_args`` go after the generated flags (so they override them) on every configuration.
+    """
+    specs = [parse_config_name(name) for name in names]
+    for spec in specs:
+        if spec.kind is not None and spec.kind not in kinds:
+            raise ConfigError(f"configuration {spec.kind}:{spec.base_name} names a kind missing from --drafter-kind")
+    extra = tuple(extra_server_args)
+    configs: dict[str, BenchConfig] = {}
+    if any(spec.variant == "no-spec" for spec in specs):
+        configs["no-spec"] = BenchConfig("no-spec", "no-spec", server_args=extra)
+    for kind in kinds:
+        for spec in specs:
+            if spec.variant == "no-spec" or spec.kind not in (None, kind):
+                continue
+            if kind not in drafters:
+                raise ConfigError(f"no {kind} drafter given for configuration {kind}:{spec.base_name}")
+            name = f"{kind}:{spec.base_name}"
+            args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr), *extra)
+            configs[name] = BenchConfig(
+                name, spec.variant, kind, str(drafters[kind]), spec.stride, spec.sync, tuple(args)
+            )
+    if not configs:
+        raise ConfigError("no configuration selected (check --configs and --drafter-kind)")
+    return list(configs.values())
+
+
+def kinds_needed(names: Sequence[str], kinds: Sequence[str]) -> list[str]:
+    """The drafter kinds that the selected configurations serve (no-spec alone needs none)."""
+    specs = [parse_config_name(name) for name in names]
+    return [k for k in kinds if any(s.variant != "no-spec" and s.kind in (None, k) for s in specs)]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Drafters
+# ----------------------------------------------------------------------------------------------------------
+
+
+def drafter_kind_of(path: Path) -> str | None:
+    """The kind a drafter folder's config.json declares (the plugin's own rule), or None if unreadable."""
+    from sglang_tts.drafters.loading import IncompatibleDrafterError, drafter_kind
+
+    try:
+        return drafter_kind(path)
+    except (OSError, ValueError, IncompatibleDrafterError):
+        return None
+
+
+def parse_drafter_args(values: Sequence[str], kinds: Sequence[str]) -> dict[str, Path]:
+    """``--drafter [KIND=]PATH`` values -> {kind: path}; a bare PATH needs exactly one kind."""
+    out: dict[str, Path] = {}
+    for value in values:
+        kind, sep, path = value.partition("=")
+        if sep and kind in KINDS:
+            out[kind] = Path(path).expanduser()
+        elif len(kinds) == 1:
+            out[kinds[0]] = Path(value).expanduser()
+        else:
+            raise ConfigError(f"--drafter {value!r}: with several drafter kinds write KIND=PATH, e.g. eagle3=/path")
+    return out
+
+
+def drafters_root() -> Path:
+    """Where scripts/train_drafter.py writes drafters by default: ``cache_root()/drafters``."""
+    return cache_root() / "drafters"
+
+
+def find_default_drafter(target_name: str, kind: str, root: Path | None = None) -> Path:
+    """The project's trained ``kind`` drafter for ``target_name``: ``<root>/<target>-<kind>-<tag>``.
+
+    scripts/train_drafter.py names its output folders that way (tag ``len<max-len>`` by default).
+    Untrained folders (the demo's ``*-untrained*``) never count. Of several, the newest wins.
+    """
+    root = Path(root) if root is not None else drafters_root()
+    candidates = [
+        path
+        for path in root.glob(f"{target_name}-{kind}-*")
+        if "untrained" not in path.name and (path / "config.json").is_file() and drafter_kind_of(path) == kind
+    ]
+    if not candidates:
+        raise ConfigError(
+            f"no trained {kind} drafter for {target_name} under {root} "
+            f"(looked for {target_name}-{kind}-*/config.json).\n"
+            f"Build one with `.venv/bin/python scripts/train_drafter.py --kind {kind}` (it writes "
+            f"{root}/{target_name}-{kind}-len256 by default), or pass --drafter {kind}=PATH."
+        )
+    return max(candidates, key=lambda path: (path / "config.json").stat().st_mtime)
+
+
+def resolve_drafters(
+    kinds: Sequence[str], given: Mapping[str, Path], target_name: str, root: Path | None = None
+) -> dict[str, Path]:
+    """One checked drafter folder per kind: the given one, else the project's default."""
+    out: dict[str, Path] = {}
+    for kind in kinds:
+        path = Path(given[kind]) if kind in given else find_default_drafter(target_name, kind, root)
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"{kind} drafter {path} has no config.json")
+        found = drafter_kind_of(path)
+        if found != kind:
+            raise ConfigError(f"{path} is not an {kind} drafter (its config.json declares {found or 'neither kind'})")
+        out[kind] = path
+    return out

@@ -1,0 +1,304 @@
+"""Aggregates of per-request records (pure functions: no servers, no files).
+
+Definitions (report.md repeats them). Every number is computed per sampling mode (greedy, each
+temperature: :func:`aggregate_by_sampling`), never pooled across modes.
+
+* acceptance length: tokens emitted per verify round, bonus token included (SGLang's
+  ``spec_accept_length``). Means are pooled over rounds (sum of tokens / number of rounds, over all
+  requests of a configuration and dataset), so long requests weigh by their length. Records without
+  per-round lengths fall back to ``spec_accept_length`` weighted by ``spec_verify_ct`` (overall mean
+  only: position-resolved numbers need the rounds).
+* output position of a round: the position of its first token; the first output token comes from
+  prefill (position 0), so round 1 starts at position 1. A bucket ``[b, b + bucket)`` holds the
+  rounds starting in it; "second half" / "last quarter" hold the rounds starting at or after 1/2 / 3/4
+  of that request's own completion length.
+* throughput: completion tokens / client-side wall seconds, pooled (total tokens / total seconds).
+* update cost: ``tts_update_ms`` (time inside updates, overlapped with serving unless ``--tts-sync``);
+  per update and as a fraction of wall time.
+* updates-free bound (sync configurations only): completion tokens / (wall - update time). With
+  ``--tts-sync`` each update runs inline on the serving thread, so subtracting it estimates the
+  tokens/s that the same acceptance would give if updates cost nothing: an upper bound for what the
+  asynchronous executor at that stride can reach. It ignores that an overlapped update still competes
+  for cores and memory bandwidth (on a 2-core CPU the worker thread does), so it is optimistic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from sglang_tts.bench.configs import BenchConfig
+from sglang_tts.bench.runner import RequestRecord
+
+ALL = "all"  # the dataset label of the pooled-over-datasets rows
+GREEDY = "greedy"
+
+
+def round_starts(accept_lengths: Sequence[int]) -> list[int]:
+    """Output position of each round's first token (position 0 is the prefill token)."""
+    starts, position = [], 1
+    for length in accept_lengths:
+        starts.append(position)
+        position += length
+    return starts
+
+
+def rounds_from(record: RequestRecord, fraction: float) -> list[int]:
+    """Accept lengths of the rounds starting at or after ``fraction`` of the request's completion length."""
+    lengths = record.accept_lengths or []
+    threshold = fraction * record.completion_tokens
+    return [n for n, start in zip(lengths, round_starts(lengths)) if start >= threshold]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def pooled_accept(records: Iterable[RequestRecord]) -> float | None:
+    """Pooled tokens per round; from per-round lengths where present, else from SGLang's means."""
+    tokens = rounds = 0.0
+    for r in records:
+        if r.accept_lengths:
+            tokens += sum(r.accept_lengths)
+            rounds += len(r.accept_lengths)
+        elif r.spec_accept_length is not None and r.spec_verify_ct:
+            tokens += r.spec_accept_length * r.spec_verify_ct
+            rounds += r.spec_verify_ct
+    return tokens / rounds if rounds else None
+
+
+def pooled_accept_from(records: Iterable[RequestRecord], fraction: float) -> float | None:
+    """Pooled tokens per round over the rounds starting at or after ``fraction`` of each output."""
+    return _mean([n for r in records for n in rounds_from(r, fraction)])
+
+
+@dataclass
+class Bucket:
+    """Acceptance of the rounds whose first token falls in ``[start, start + size)``."""
+
+    start: int
+    size: int
+    mean: float
+    rounds: int
+
+
+def bucket_accept(records: Iterable[RequestRecord], size: int) -> list[Bucket]:
+    """Pooled acceptance per output-position bucket, in position order (empty buckets omitted)."""
+    if size < 1:
+        raise ValueError(f"bucket size must be >= 1, got {size}")
+    sums: dict[int, list[int]] = {}
+    for r in records:
+        lengths = r.accept_lengths or []
+        for n, start in zip(lengths, round_starts(lengths)):
+            acc = sums.setdefault(start // size, [0, 0])
+            acc[0] += n
+            acc[1] += 1
+    return [Bucket(b * size, size, total / count, count) for b, (total, count) in sorted(sums.items())]
+
+
+@dataclass
+class Summary:
+    """One configuration on one dataset (or ``all``)."""
+
+    config: str
+    dataset: str
+    variant: str
+    kind: str | None
+    stride: int | None
+    sync: bool
+    requests: int
+    completion_tokens: int
+    wall_s: float
+    tokens_per_s: float
+    rounds: int  # rounds with per-round data
+    accept_mean: float | None
+    accept_second_half: float | None
+    accept_last_quarter: float | None
+    buckets: list[Bucket] = field(default_factory=list)
+    updates: int | None = None
+    skipped_updates: int | None = None
+    update_ms: float | None = None
+    ms_per_update: float | None = None
+    update_wall_fraction: float | None = None
+    updates_free_tokens_per_s: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _sum_opt(values: Iterable[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
+
+def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: str, bucket: int) -> Summary:
+    """Aggregate one configuration's records (already filtered to one dataset, or all of them)."""
+    tokens = sum(r.completion_tokens for r in records)
+    wall = sum(r.wall_s for r in records)
+    updates = _sum_opt(r.tts_num_updates for r in records)
+    skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
+    update_ms = _sum_opt(r.tts_update_ms for r in records)
+    free = None
+    if config.sync and update_ms is not None and wall - update_ms / 1000 > 0:
+        free = tokens / (wall - update_ms / 1000)
+    return Summary(
+        config=config.name,
+        dataset=dataset,
+        variant=config.variant,
+        kind=config.kind,
+        stride=config.stride,
+        sync=config.sync,
+        requests=len(records),
+        completion_tokens=tokens,
+        wall_s=wall,
+        tokens_per_s=tokens / wall if wall > 0 else math.nan,
+        rounds=sum(len(r.accept_lengths or []) for r in records),
+        accept_mean=pooled_accept(records),
+        accept_second_half=pooled_accept_from(records, 0.5),
+        accept_last_quarter=pooled_accept_from(records, 0.75),
+        buckets=bucket_accept(records, bucket),
+        updates=None if updates is None else int(updates),
+        skipped_updates=None if skipped is None else int(skipped),
+        update_ms=update_ms,
+        ms_per_update=update_ms / updates if update_ms is not None and updates else None,
+        update_wall_fraction=update_ms / 1000 / wall if update_ms is not None and wall > 0 else None,
+        updates_free_tokens_per_s=free,
+    )
+
+
+def _pct(new: float | None, old: float | None) -> float | None:
+    if new is None or old is None or old == 0:
+        return None
+    return (new / old - 1.0) * 100.0
+
+
+def _diff(new: float | None, old: float | None) -> float | None:
+    return None if new is None or old is None else new - old
+
+
+def _ratio(new: float | None, old: float | None) -> float | None:
+    if new is None or old is None or old == 0 or math.isnan(old) or math.isnan(new):
+        return None
+    return new / old
+
+
+@dataclass
+class Comparison:
+    """A TTS configuration against the frozen drafter of the same kind on the same dataset."""
+
+    config: str
+    baseline: str
+    dataset: str
+    accept_gain_pct: float | None  # (tts / frozen - 1) * 100, overall
+    second_half_gain: float | None  # tts - frozen, tokens per round, rounds in the second half
+    last_quarter_gain_pct: float | None
+    tokens_per_s_ratio: float | None  # tts / frozen
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def compare(tts: Summary, frozen: Summary) -> Comparison:
+    return Comparison(
+        config=tts.config,
+        baseline=frozen.config,
+        dataset=tts.dataset,
+        accept_gain_pct=_pct(tts.accept_mean, frozen.accept_mean),
+        second_half_gain=_diff(tts.accept_second_half, frozen.accept_second_half),
+        last_quarter_gain_pct=_pct(tts.accept_last_quarter, frozen.accept_last_quarter),
+        tokens_per_s_ratio=_ratio(tts.tokens_per_s, frozen.tokens_per_s),
+    )
+
+
+@dataclass
+class Aggregates:
+    """Everything report.md and the plots show, derived from the records alone."""
+
+    datasets: list[str]
+    summaries: list[Summary]
+    comparisons: list[Comparison]
+    best_tts: dict[str, str]  # kind -> the asynchronous TTS configuration with the highest tokens/s (all data)
+    output_agreement: dict[str, Any]
+
+    def summary(self, config: str, dataset: str = ALL) -> Summary | None:
+        return next((s for s in self.summaries if s.config == config and s.dataset == dataset), None)
+
+    def comparison(self, config: str, dataset: str = ALL) -> Comparison | None:
+        return next((c for c in self.comparisons if c.config == config and c.dataset == dataset), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "datasets": self.datasets,
+            "summaries": [s.to_json() for s in self.summaries],
+            "comparisons": [c.to_json() for c in self.comparisons],
+            "best_tts": self.best_tts,
+            "output_agreement": self.output_agreement,
+        }
+
+
+def output_agreement(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Whether every configuration produced the same output for each prompt (expected under greedy
+    decoding: speculation is lossless; fp32 summation order can still flip a near-tie on long outputs)."""
+    by_prompt: dict[str, set[str | None]] = {}
+    for r in records:
+        by_prompt.setdefault(r.prompt_id, set()).add(r.output_digest)
+    differing = sorted(pid for pid, digests in by_prompt.items() if len(digests) > 1)
+    return {"prompts": len(by_prompt), "differing": differing}
+
+
+def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], bucket: int) -> Aggregates:
+    """Summaries per (configuration, dataset) and ``all``, comparisons with frozen, the best stride."""
+    datasets = sorted({r.dataset for r in records})
+    summaries: list[Summary] = []
+    for config in configs:
+        mine = [r for r in records if r.config == config.name]
+        if not mine:
+            continue
+        for dataset in datasets:
+            subset = [r for r in mine if r.dataset == dataset]
+            if subset:
+                summaries.append(summarize(subset, config, dataset, bucket))
+        summaries.append(summarize(mine, config, ALL, bucket))
+
+    index = {(s.config, s.dataset): s for s in summaries}
+    comparisons: list[Comparison] = []
+    for s in summaries:
+        if s.variant != "tts":
+            continue
+        frozen = index.get((f"{s.kind}:frozen", s.dataset))
+        if frozen is not None:
+            comparisons.append(compare(s, frozen))
+
+    best: dict[str, str] = {}
+    for s in summaries:
+        if s.variant == "tts" and not s.sync and s.dataset == ALL and s.kind is not None:
+            current = index.get((best.get(s.kind, ""), ALL))
+            if current is None or s.tokens_per_s > current.tokens_per_s:
+                best[s.kind] = s.config
+    return Aggregates(datasets, summaries, comparisons, best, output_agreement(records))
+
+
+def sampling_order(labels: Iterable[str]) -> list[str]:
+    """Sampling labels in report order: greedy first, then by temperature (``t0.7`` before ``t1``)."""
+
+    def key(label: str) -> tuple[int, float, str]:
+        if label == GREEDY:
+            return (0, 0.0, label)
+        try:
+            return (1, float(label.lstrip("t")), label)
+        except ValueError:
+            return (2, 0.0, label)
+
+    return sorted(set(labels), key=key)
+
+
+def aggregate_by_sampling(
+    records: Sequence[RequestRecord], configs: Sequence[BenchConfig], bucket: int
+) -> dict[str, Aggregates]:
+    """:func:`aggregate` separately per sampling mode (greedy, each temperature): never pooled across them."""
+    return {
+        label: aggregate([r for r in records if r.sampling == label], configs, bucket)
+        for label in sampling_order(r.sampling for r in records)
+    }

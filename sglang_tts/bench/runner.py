@@ -1,0 +1,429 @@
+"""Run the benchmark: launch (or target) servers in an interleaved schedule and record every request.
+
+Schedule. The prompts are split into ``rounds`` contiguous chunks (prompts are already interleaved
+across datasets). In each round every configuration runs the whole chunk on a fresh server: start,
+one short unrecorded warm-up request, the chunk's requests one at a time, stop. The configuration
+order rotates by one per round (A B C | B C A | C A B), so no configuration always runs first or
+last. Machine noise that lasts minutes (a background job, thermal state) then lands on every
+configuration alike, at the cost of ``rounds x configs`` server starts (about a minute each on a
+2-core CPU). A server is kept alive when the next slot is the same configuration (a single
+configuration, or ``--base-url``, where the one running server serves everything).
+
+Requests are sequential (batch size 1): acceptance and per-request wall time are then properties of
+the configuration, not of the batch mix. Each prompt runs once per temperature (``temperatures``;
+0 = greedy) on the same server; records carry the mode's label (``greedy``, ``t0.7``).
+
+By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
+``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
+SGLang's native ``/generate`` instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from tqdm import tqdm
+
+from sglang_tts.bench.configs import BenchConfig
+from sglang_tts.bench.workload import BenchPrompt
+
+DETAILS = {"tts_return_accept_lengths": True}
+
+
+def sampling_label(temperature: float) -> str:
+    """``greedy`` for temperature 0, else ``t<temperature>`` (e.g. ``t0.7``): also used in plot file names."""
+    return "greedy" if temperature == 0 else f"t{temperature:g}"
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """Sampling parameters shared by every configuration (greedy by default)."""
+
+    max_new_tokens: int = 2048
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+    ignore_eos: bool = False
+
+    @property
+    def label(self) -> str:
+        return sampling_label(self.temperature)
+
+    def generate_params(self, max_new_tokens: int | None = None) -> dict[str, Any]:
+        return {
+            "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+        }
+
+
+@dataclass
+class RequestRecord:
+    """Everything measured for one request. Optional fields are None where the server reports nothing
+    (no-spec servers have no speculative stats; only TTS servers return per-round accept lengths)."""
+
+    config: str
+    dataset: str
+    prompt_id: str
+    round: int
+    completion_tokens: int
+    wall_s: float  # client-side, request sent -> full response received
+    sampling: str = "greedy"  # sampling_label() of the request's temperature
+    prompt_tokens: int | None = None
+    finish_reason: str | None = None
+    accept_lengths: list[int] | None = None  # tokens emitted by each verify round, bonus included
+    spec_accept_length: float | None = None
+    spec_verify_ct: int | None = None
+    tts_num_updates: int | None = None
+    tts_num_skipped_updates: int | None = None
+    tts_update_ms: float | None = None
+    e2e_latency_s: float | None = None  # the server's own measurement
+    output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RequestRecord:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One configuration serving one round's prompts."""
+
+    round: int
+    config: BenchConfig
+    prompts: tuple[BenchPrompt, ...]
+
+
+@dataclass
+class SlotLog:
+    """What happened in a slot: server start time (None when reused or external) and any error."""
+
+    round: int
+    config: str
+    prompt_ids: list[str]
+    server_start_s: float | None = None
+    warmup_s: float | None = None
+    error: str | None = None
+    skipped: bool = False
+
+
+def split_rounds(items: Sequence[Any], rounds: int) -> list[list[Any]]:
+    """``items`` in ``rounds`` contiguous chunks of near-equal size (earlier chunks get the remainder)."""
+    rounds = max(1, min(rounds, len(items))) if items else 1
+    size, extra = divmod(len(items), rounds)
+    chunks, start = [], 0
+    for r in range(rounds):
+        end = start + size + (1 if r < extra else 0)
+        chunks.append(list(items[start:end]))
+        start = end
+    return chunks
+
+
+def plan_schedule(configs: Sequence[BenchConfig], prompts: Sequence[BenchPrompt], rounds: int) -> list[Slot]:
+    """Every configuration on every chunk; the configuration order rotates by one per round."""
+    slots: list[Slot] = []
+    n = len(configs)
+    for r, chunk in enumerate(split_rounds(prompts, rounds)):
+        if not chunk:
+            continue
+        for config in [*configs[r % n :], *configs[: r % n]]:
+            slots.append(Slot(r, config, tuple(chunk)))
+    return slots
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One request
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Response:
+    """The parts of a server response the benchmark keeps."""
+
+    meta: dict[str, Any]
+    completion_tokens: int
+    prompt_tokens: int | None
+    output_digest: str
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
+
+
+def _post_json(url: str, payload: dict[str, Any], timeout: float) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as error:
+        body = error.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"{url} answered HTTP {error.code}: {body}") from None
+
+
+def get_json(url: str, timeout: float = 30.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def send_generate(
+    base_url: str,
+    prompt: BenchPrompt,
+    sampling: SamplingSettings,
+    details: bool,
+    timeout: float,
+    max_new_tokens: int | None = None,
+) -> Response:
+    """SGLang's native ``/generate`` with token ids (the chat template was applied client-side)."""
+    if prompt.input_ids is None:
+        raise ValueError(f"prompt {prompt.id} has no token ids; use the OpenAI API or give a tokenizer")
+    params = sampling.generate_params(max_new_tokens)
+    if details:
+        params["custom_params"] = DETAILS
+    out = _post_json(base_url + "/generate", {"input_ids": list(prompt.input_ids), "sampling_params": params}, timeout)
+    meta = out.get("meta_info") or {}
+    return Response(
+        meta,
+        int(meta.get("completion_tokens", len(out.get("output_ids") or []))),
+        meta.get("prompt_tokens"),
+        _digest(out.get("output_ids", out.get("text"))),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _openai_client(base_url: str, timeout: float) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=base_url + "/v1", api_key="none", timeout=timeout, max_retries=0)
+
+
+def send_openai(
+    base_url: str,
+    model: str,
+    prompt: BenchPrompt,
+    sampling: SamplingSettings,
+    details: bool,
+    timeout: float,
+    max_new_tokens: int | None = None,
+) -> Response:
+    """``/v1/chat/completions`` through the OpenAI client; meta_info comes back via ``extra_body``."""
+    if prompt.messages is None:
+        raise ValueError(f"prompt {prompt.id} has no chat messages; the OpenAI API needs them")
+    client = _openai_client(base_url, timeout)
+    extra: dict[str, Any] = {"return_meta_info": True, "top_k": sampling.top_k, "ignore_eos": sampling.ignore_eos}
+    if details:
+        extra["custom_params"] = DETAILS
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[dict(m) for m in prompt.messages],  # type: ignore[misc]
+        max_tokens=sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        extra_body=extra,
+    )
+    choice = reply.choices[0]
+    meta = (choice.model_extra or {}).get("meta_info") or {}
+    usage = reply.usage
+    return Response(
+        meta,
+        int(usage.completion_tokens if usage else meta.get("completion_tokens", 0)),
+        usage.prompt_tokens if usage else meta.get("prompt_tokens"),
+        _digest(choice.message.content),
+    )
+
+
+def _finish_reason(meta: dict[str, Any]) -> str | None:
+    reason = meta.get("finish_reason")
+    if isinstance(reason, dict):
+        return reason.get("type")
+    return None if reason is None else str(reason)
+
+
+def _opt(meta: dict[str, Any], key: str, cast: Callable[[Any], Any]) -> Any:
+    value = meta.get(key)
+    return None if value is None else cast(value)
+
+
+def record_from_response(
+    config: str, prompt: BenchPrompt, round_index: int, response: Response, wall_s: float, sampling: str = "greedy"
+) -> RequestRecord:
+    """A :class:`RequestRecord` from a response's meta_info (keys the server did not send stay None)."""
+    meta = response.meta
+    lengths = meta.get("tts_accept_lengths")
+    return RequestRecord(
+        config=config,
+        dataset=prompt.dataset,
+        prompt_id=prompt.id,
+        round=round_index,
+        completion_tokens=response.completion_tokens,
+        wall_s=wall_s,
+        sampling=sampling,
+        prompt_tokens=response.prompt_tokens,
+        finish_reason=_finish_reason(meta),
+        accept_lengths=None if lengths is None else [int(x) for x in lengths],
+        spec_accept_length=_opt(meta, "spec_accept_length", float),
+        spec_verify_ct=_opt(meta, "spec_verify_ct", int),
+        tts_num_updates=_opt(meta, "tts_num_updates", int),
+        tts_num_skipped_updates=_opt(meta, "tts_num_skipped_updates", int),
+        tts_update_ms=_opt(meta, "tts_update_ms", float),
+        e2e_latency_s=_opt(meta, "e2e_latency", float),
+        output_digest=response.output_digest,
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The schedule
+# ----------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunnerSettings:
+    """How servers are launched and requests are sent (shared by every configuration)."""
+
+    model: str
+    sampling: SamplingSettings = field(default_factory=SamplingSettings)
+    # Every prompt runs once per temperature (0 = greedy), on the same server; the other sampling
+    # parameters come from ``sampling``.
+    temperatures: tuple[float, ...] = (0.0,)
+    api: str = "openai"  # "openai" (/v1/chat/completions through the openai client) | "generate"
+    warmup_tokens: int = 32  # 0: no warm-up request
+    request_timeout_s: float = 3600.0
+    server_timeout_s: float = 900.0
+    cpu_defaults: bool = True  # add sglang_tts.testing.server.CPU_DEFAULT_ARGS
+    server_env: dict[str, str] = field(default_factory=dict)
+    log_dir: str | None = None
+    base_url: str | None = None  # target this running server instead of launching any
+    served_model: str | None = None  # the OpenAI "model" field (default: the model path)
+
+
+class Runner:
+    """Executes a schedule slot by slot; ``on_slot`` is called after each slot (e.g. to save progress)."""
+
+    def __init__(self, settings: RunnerSettings) -> None:
+        self.settings = settings
+        self.records: list[RequestRecord] = []
+        self.slot_logs: list[SlotLog] = []
+        self._server: Any = None  # sglang_tts.testing.server.ServerProcess
+        self._server_config: str | None = None
+
+    def _send(
+        self,
+        base_url: str,
+        prompt: BenchPrompt,
+        details: bool,
+        max_new_tokens: int | None = None,
+        sampling: SamplingSettings | None = None,
+    ) -> Response:
+        s = self.settings
+        sampling = sampling or s.sampling
+        if s.api == "openai":
+            model = s.served_model or s.model
+            return send_openai(base_url, model, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
+        return send_generate(base_url, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
+
+    def _stop(self) -> None:
+        from sglang_tts.testing.server import stop_server
+
+        if self._server is not None:
+            stop_server(self._server)
+        self._server, self._server_config = None, None
+
+    def _ensure_server(self, config: BenchConfig, log: SlotLog) -> str:
+        """The base URL serving ``config``: the external one, the live one, or a freshly started one."""
+        if self.settings.base_url is not None:
+            return self.settings.base_url
+        if self._server is not None and self._server_config == config.name:
+            return self._server.base_url
+        self._stop()
+        from sglang_tts.testing.server import start_server
+
+        start = time.perf_counter()
+        self._server = start_server(
+            self.settings.model,
+            config.server_args,
+            cpu_defaults=self.settings.cpu_defaults,
+            timeout_s=self.settings.server_timeout_s,
+            env=self.settings.server_env,
+            log_dir=self.settings.log_dir,
+        )
+        self._server_config = config.name
+        log.server_start_s = time.perf_counter() - start
+        return self._server.base_url
+
+    def run(
+        self,
+        schedule: Sequence[Slot],
+        on_slot: Callable[[Runner], None] | None = None,
+        progress: bool = True,
+    ) -> list[RequestRecord]:
+        failed: dict[str, str] = {}
+        per_prompt = len(self.settings.temperatures)
+        total = sum(len(slot.prompts) for slot in schedule) * per_prompt
+        bar = tqdm(total=total, desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
+        try:
+            for i, slot in enumerate(schedule):
+                log = SlotLog(slot.round, slot.config.name, [p.id for p in slot.prompts])
+                self.slot_logs.append(log)
+                if slot.config.name in failed:
+                    log.skipped, log.error = True, f"skipped: {failed[slot.config.name]}"
+                    bar.update(len(slot.prompts) * per_prompt)
+                    continue
+                try:
+                    self._run_slot(slot, log, bar)
+                except Exception as error:  # noqa: BLE001 - recorded; the other configurations still run
+                    log.error = f"{type(error).__name__}: {error}"
+                    failed[slot.config.name] = log.error.splitlines()[0]
+                    if self._server is not None:
+                        log.error += "\nserver log tail:\n" + self._server.log_tail(40)
+                    tqdm.write(f"[bench] {slot.config.name} failed in round {slot.round}: {log.error}")
+                    self._stop()
+                # Stop now unless the next slot runs the same configuration (one server at a time).
+                following = schedule[i + 1].config.name if i + 1 < len(schedule) else None
+                if following != self._server_config:
+                    self._stop()
+                if on_slot is not None:
+                    on_slot(self)
+        finally:
+            self._stop()
+            bar.close()
+        return self.records
+
+    def _run_slot(self, slot: Slot, log: SlotLog, bar: tqdm) -> None:
+        config = slot.config
+        bar.set_postfix_str(f"round {slot.round} {config.name}: starting server")
+        base_url = self._ensure_server(config, log)
+        if self.settings.warmup_tokens > 0 and log.server_start_s is not None:
+            # The first request on a fresh server pays one-time costs (lazy init, allocator growth, the first
+            # update's setup); a short unrecorded request keeps them out of the measured wall times.
+            start = time.perf_counter()
+            self._send(base_url, slot.prompts[0], config.speculative, self.settings.warmup_tokens)
+            log.warmup_s = time.perf_counter() - start
+        samplings = [replace(self.settings.sampling, temperature=t) for t in self.settings.temperatures]
+        for prompt in slot.prompts:
+            for sampling in samplings:
+                bar.set_postfix_str(f"round {slot.round} {config.name} {prompt.id} {sampling.label}")
+                start = time.perf_counter()
+                response = self._send(base_url, prompt, config.speculative, sampling=sampling)
+                wall = time.perf_counter() - start
+                record = record_from_response(config.name, prompt, slot.round, response, wall, sampling.label)
+                self.records.append(record)
+                bar.update(1)

@@ -1,0 +1,126 @@
+"""sglang_tts.bench.metrics: pooled acceptance, position buckets, ratios against frozen, the best stride."""
+
+from __future__ import annotations
+
+import pytest
+from bench_testing import full_configs, full_records, record
+
+from sglang_tts.bench.metrics import (
+    ALL,
+    aggregate,
+    aggregate_by_sampling,
+    bucket_accept,
+    pooled_accept,
+    pooled_accept_from,
+    round_starts,
+    rounds_from,
+    sampling_order,
+)
+
+
+def test_round_starts_count_the_prefill_token_as_position_zero():
+    assert round_starts([1, 3, 2, 4]) == [1, 2, 5, 7]
+    assert round_starts([]) == []
+
+
+def test_rounds_from_selects_by_start_position_against_the_requests_own_length():
+    r = record("eagle3:frozen", "d", [1] * 40 + [2] * 10, 7.0)  # 61 tokens, starts 1..40, 41, 43, .., 59
+    assert r.completion_tokens == 61
+    assert rounds_from(r, 0.5) == [1] * 10 + [2] * 10  # starts >= 30.5
+    assert rounds_from(r, 0.75) == [2] * 7  # starts >= 45.75: 47, 49, .., 59
+    assert pooled_accept_from([r], 0.5) == pytest.approx(1.5)
+    assert pooled_accept_from([r], 0.75) == pytest.approx(2.0)
+
+
+def test_pooled_accept_weighs_rounds_and_falls_back_to_sglangs_mean():
+    long = record("c", "d", [2] * 30, 1.0)
+    short = record("c", "d", [4] * 10, 1.0)
+    # pooled: (60 + 40) / 40 rounds, not the mean of the per-request means (3.0)
+    assert pooled_accept([long, short]) == pytest.approx(2.5)
+    stock = record("c", "d", None, 1.0, completion_tokens=100)
+    stock.spec_accept_length, stock.spec_verify_ct = 1.5, 20
+    assert pooled_accept([stock]) == pytest.approx(1.5)
+    assert pooled_accept([stock, short]) == pytest.approx((30 + 40) / 30)
+    assert pooled_accept([record("no-spec", "d", None, 1.0, completion_tokens=5)]) is None
+
+
+def test_bucket_accept_pools_rounds_by_their_first_tokens_position():
+    a = record("c", "d", [1] * 40 + [2] * 10, 1.0)
+    buckets = bucket_accept([a], 20)
+    assert [(b.start, b.size, b.rounds) for b in buckets] == [(0, 20, 19), (20, 20, 20), (40, 20, 11)]
+    assert [b.mean for b in buckets] == pytest.approx([1.0, 1.0, 21 / 11])
+    b = record("c", "d", [5, 5], 1.0)  # starts 1, 6: both in bucket 0
+    pooled = bucket_accept([a, b], 20)
+    assert pooled[0].rounds == 21
+    assert pooled[0].mean == pytest.approx((19 + 10) / 21)
+    with pytest.raises(ValueError):
+        bucket_accept([a], 0)
+
+
+def test_aggregate_summaries_and_ratios_against_frozen():
+    agg = aggregate(full_records(), full_configs(), bucket=20)
+    assert agg.datasets == ["aime2024", "math500"]
+    frozen = agg.summary("eagle3:frozen", "aime2024")
+    tts = agg.summary("eagle3:tts-s1", "aime2024")
+    assert frozen.accept_mean == pytest.approx(1.2)
+    assert frozen.tokens_per_s == pytest.approx(61 / 7)
+    assert tts.accept_mean == pytest.approx(2.0)
+    assert tts.accept_second_half == pytest.approx(3.0)
+    assert tts.updates == 40 and tts.ms_per_update == pytest.approx(10.0)
+
+    c = agg.comparison("eagle3:tts-s1", "aime2024")
+    assert c.baseline == "eagle3:frozen"
+    assert c.accept_gain_pct == pytest.approx(200 / 3)
+    assert c.second_half_gain == pytest.approx(3.0 - 1.5)
+    assert c.last_quarter_gain_pct == pytest.approx(50.0)
+    assert c.tokens_per_s_ratio == pytest.approx((81 / 5) / (61 / 7))
+    assert agg.comparison("eagle3:tts-s1", "math500").accept_gain_pct == pytest.approx(25.0)
+
+    # "all" pools both datasets: (80 + 60) / 80 rounds vs (60 + 60) / 100 rounds
+    both = agg.comparison("eagle3:tts-s1", ALL)
+    assert agg.summary("eagle3:tts-s1").accept_mean == pytest.approx(1.75)
+    assert both.accept_gain_pct == pytest.approx((1.75 / 1.2 - 1) * 100)
+    assert both.tokens_per_s_ratio == pytest.approx((142 / 10) / (122 / 14))
+
+    # stock has no per-round lengths: SGLang's mean, no buckets, no comparison (it is no TTS configuration)
+    stock = agg.summary("dflash:stock")
+    assert stock.accept_mean == pytest.approx(1.25) and stock.buckets == [] and stock.rounds == 0
+    assert agg.comparison("dflash:stock") is None
+    assert agg.summary("no-spec").tokens_per_s == pytest.approx(10.0)
+    assert agg.summary("no-spec").accept_mean is None
+
+
+def test_sync_update_cost_and_updates_free_bound():
+    agg = aggregate(full_records(), full_configs(), bucket=20)
+    sync = agg.summary("eagle3:tts-s5-sync")
+    assert sync.sync and sync.updates == 16 and sync.update_ms == pytest.approx(1600)
+    assert sync.ms_per_update == pytest.approx(100.0)
+    assert sync.update_wall_fraction == pytest.approx(1.6 / 12)
+    assert sync.updates_free_tokens_per_s == pytest.approx(142 / (12 - 1.6))
+    assert agg.summary("eagle3:tts-s5").updates_free_tokens_per_s is None  # async: no bound
+
+
+def test_best_tts_is_the_fastest_asynchronous_stride_per_kind():
+    agg = aggregate(full_records(), full_configs(), bucket=20)
+    assert agg.best_tts == {"eagle3": "eagle3:tts-s5", "dflash": "dflash:tts-s5"}
+
+
+def test_output_agreement_names_prompts_whose_outputs_differ():
+    records = [
+        record("eagle3:frozen", "d", [1], 1.0, prompt_id="p0", output_digest="a"),
+        record("eagle3:tts-s1", "d", [1], 1.0, prompt_id="p0", output_digest="a"),
+        record("eagle3:frozen", "d", [1], 1.0, prompt_id="p1", output_digest="b"),
+        record("eagle3:tts-s1", "d", [1], 1.0, prompt_id="p1", output_digest="c"),
+    ]
+    agg = aggregate(records, full_configs(("frozen", "tts-s1")), bucket=8)
+    assert agg.output_agreement == {"prompts": 2, "differing": ["p1"]}
+
+
+def test_sampling_modes_are_aggregated_separately():
+    greedy = full_records()
+    hot = [record(r.config, r.dataset, r.accept_lengths, r.wall_s * 2, sampling="t0.7") for r in greedy]
+    by = aggregate_by_sampling([*hot, *greedy], full_configs(), bucket=20)
+    assert list(by) == ["greedy", "t0.7"]
+    assert by["greedy"].summary("eagle3:frozen").tokens_per_s == pytest.approx(122 / 14)
+    assert by["t0.7"].summary("eagle3:frozen").tokens_per_s == pytest.approx(122 / 28)
+    assert sampling_order(["t1", "t0.7", "greedy", "t0.7"]) == ["greedy", "t0.7", "t1"]

@@ -1,0 +1,135 @@
+"""sglang_tts.bench.report and suite: the tables, results.json, report.md and PNG plots from records."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from bench_testing import full_configs, full_records, record
+
+from sglang_tts.bench.metrics import aggregate, aggregate_by_sampling
+from sglang_tts.bench.report import (
+    PLOTS,
+    acceptance_tables,
+    async_sync_table,
+    losses,
+    position_table,
+    throughput_table,
+    write_json,
+    write_plots,
+)
+from sglang_tts.bench.runner import SlotLog
+from sglang_tts.bench.suite import REPORT, RESULTS, finish, rerender
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _row(text: str, first_cell: str) -> list[str]:
+    line = next(line for line in text.splitlines() if line.startswith(f"| {first_cell} |"))
+    return [cell.strip() for cell in line.strip("|").split("|")]
+
+
+def test_acceptance_table_shows_the_gain_over_frozen_per_dataset():
+    text = acceptance_tables(aggregate(full_records(), full_configs(), bucket=20))
+    row = _row(text, "aime2024")  # eagle3 whole output: frozen, tts-s1, tts-s5, tts-s5-sync
+    assert row[:3] == ["aime2024", "1.20", "2.00 (+66.7%)"]
+    assert _row(text, "math500")[2] == "1.50 (+25.0%)"
+    assert "**dflash, last quarter of each output**" in text
+
+
+def test_throughput_and_async_sync_tables():
+    agg = aggregate(full_records(), full_configs(), bucket=20)
+    text = throughput_table(agg)
+    assert _row(text, "no-spec") == ["no-spec", "10.00", "1.00x", "-", "-"]
+    # best TTS = tts-s5: 142 tokens / 8 s = 17.75 tok/s, 1.78x no-spec, 2.04x frozen (122 / 14 s)
+    assert _row(text, "eagle3:tts-s5 (best TTS)") == ["eagle3:tts-s5 (best TTS)", "17.75", "1.77x", "2.04x", "1.75"]
+    assert _row(text, "eagle3:stock (stock)")[1:3] == ["12.50", "1.25x"]
+    sync = _row(async_sync_table(agg), "eagle3")
+    assert sync[:5] == ["eagle3", "5", "17.75", "11.83", "13.65"]
+
+
+def test_losses_name_every_configuration_where_tts_does_not_win():
+    records = [
+        record("eagle3:frozen", "d", [2] * 10, 1.0),
+        record("eagle3:tts-s1", "d", [1] * 10, 2.0, tts_num_updates=10, tts_update_ms=10.0),
+    ]
+    # frozen: 21 tokens / 1 s; TTS: 11 tokens / 2 s
+    lost = losses(aggregate(records, full_configs(("frozen", "tts-s1")), bucket=8))
+    assert len(lost) == 2  # dataset d and "all"
+    assert lost[0].startswith("- eagle3:tts-s1 on d: acceptance -50.0%")
+    assert "tokens/s 0.26x of frozen" in lost[0]
+
+
+def test_position_table_lists_buckets_per_configuration():
+    text = position_table(aggregate(full_records(), full_configs(("frozen",)), bucket=20))
+    # pooled over both datasets (identical frozen records): 21 of 11 rounds -> 42 tokens / 22 rounds
+    assert _row(text, "40-59") == ["40-59", "1.91 (22)", "1.91 (22)"]
+
+
+def test_write_plots_writes_every_plot_as_png(tmp_path):
+    agg = aggregate(full_records(), full_configs(), bucket=20)
+    written = write_plots(agg, tmp_path, "greedy")
+    assert [p.split("/")[-1] for p in written] == [f"{stem}_greedy.png" for stem in PLOTS]
+    for path in written:
+        data = open(path, "rb").read()
+        assert data.startswith(PNG) and len(data) > 5000
+
+
+def test_plots_without_data_are_skipped(tmp_path):
+    agg = aggregate([record("no-spec", "d", None, 2.0, completion_tokens=10)], full_configs(("no-spec",)), 8)
+    assert [p.split("/")[-1] for p in write_plots(agg, tmp_path, "t0.7")] == ["throughput_t0.7.png"]
+
+
+def test_write_json_replaces_nan_with_null(tmp_path):
+    path = write_json(tmp_path / "x.json", {"a": math.nan, "b": [1.0, math.inf], "c": {"d": 2}})
+    assert json.loads(path.read_text()) == {"a": None, "b": [1.0, None], "c": {"d": 2}}
+
+
+def _payload(records, configs, bucket=20):
+    return {
+        "run": "unit",
+        "command": "bench_long.py --unit",
+        "machine": {"cpu_count": 2, "platform": "test", "load_average": [0.5, 0.5, 0.5]},
+        "settings": {"temperatures": "0, 0.7", "bucket": bucket},
+        "configs": [c.to_json() for c in configs],
+        "schedule": [vars(SlotLog(0, c.name, ["p"], server_start_s=30.0)) for c in configs],
+        "requests": [r.to_json() for r in records],
+        "aggregates": None,
+    }
+
+
+def test_finish_writes_results_report_and_plots_per_sampling_mode(tmp_path):
+    greedy = full_records()
+    hot = [record(r.config, r.dataset, r.accept_lengths, r.wall_s, sampling="t0.7") for r in greedy]
+    result = finish(tmp_path, _payload([*greedy, *hot], full_configs()))
+    assert result.failures == []
+    data = json.loads((tmp_path / RESULTS).read_text())
+    assert set(data["aggregates"]) == {"greedy", "t0.7"}
+    summaries = {(s["config"], s["dataset"]): s for s in data["aggregates"]["greedy"]["summaries"]}
+    assert summaries[("eagle3:frozen", "all")]["accept_mean"] == pytest.approx(1.2)
+    assert len(result.plots) == 2 * len(PLOTS)
+    report = (tmp_path / REPORT).read_text()
+    assert "## Sampling: greedy decoding" in report and "## Sampling: temperature 0.7" in report
+    assert "![acceptance_by_position_greedy](acceptance_by_position_greedy.png)" in report
+    assert "11 server starts (30 s each on average)" in report
+    assert "Greedy decoding: all configurations produced identical outputs on 2 of 2 prompts." in report
+
+
+def test_rerender_recomputes_with_another_bucket_and_reports_failures(tmp_path):
+    payload = _payload(full_records(), full_configs(("frozen", "tts-s1")))
+    payload["schedule"][1]["error"] = "ServerStartError: boom\nlog tail"
+    finish(tmp_path, payload)
+    result = rerender(tmp_path / RESULTS, bucket=50)
+    assert result.failures == [f"{payload['schedule'][1]['config']} (round 0)"]
+    data = json.loads((tmp_path / RESULTS).read_text())
+    frozen = next(s for s in data["aggregates"]["greedy"]["summaries"] if s["config"] == "eagle3:frozen")
+    assert [b["start"] for b in frozen["buckets"]] == [0, 50]
+    assert "## Failures" in (tmp_path / REPORT).read_text()
+
+
+def test_aggregate_by_sampling_of_no_records_renders(tmp_path):
+    assert aggregate_by_sampling([], full_configs(("frozen",)), 8) == {}
+    result = finish(tmp_path, _payload([], full_configs(("frozen",))))
+    assert "_No request completed._" in result.report.read_text()
+    assert result.plots == []

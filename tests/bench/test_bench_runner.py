@@ -1,0 +1,144 @@
+"""sglang_tts.bench.configs and runner: configuration names, launch flags, the schedule, the request path."""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from bench_testing import full_configs
+
+from sglang_tts.bench.configs import ConfigError, build_configs, kinds_needed, parse_config_name
+from sglang_tts.bench.runner import (
+    RunnerSettings,
+    SamplingSettings,
+    Slot,
+    plan_schedule,
+    record_from_response,
+    send_openai,
+    split_rounds,
+)
+from sglang_tts.bench.workload import BenchPrompt, interleave
+
+
+def test_config_names_expand_per_kind_with_their_launch_flags():
+    configs = build_configs(
+        ["no-spec", "stock", "frozen", "eagle3:tts-s5-sync"],
+        ["eagle3", "dflash"],
+        {"eagle3": "/e", "dflash": "/d"},
+        tts_lr=0.01,
+        extra_server_args=["--tts-scope", "global"],
+    )
+    names = [c.name for c in configs]
+    assert names == ["no-spec", "eagle3:stock", "eagle3:frozen", "eagle3:tts-s5-sync", "dflash:stock", "dflash:frozen"]
+    by = {c.name: c for c in configs}
+    assert by["no-spec"].server_args == ("--tts-scope", "global")
+    stock = ("--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", "/d")
+    assert by["dflash:stock"].server_args == (*stock, "--tts-scope", "global")
+    assert "--speculative-num-steps" in by["eagle3:stock"].server_args
+    assert "--tts-freeze" in by["eagle3:frozen"].server_args
+    sync = by["eagle3:tts-s5-sync"]
+    assert sync.stride == 5 and sync.sync and sync.variant == "tts"
+    args = list(sync.server_args)
+    assert args[args.index("--tts-update-stride") + 1] == "5" and "--tts-sync" in args
+    assert args[args.index("--tts-lr") + 1] == "0.01" and args[-2:] == ["--tts-scope", "global"]
+
+
+@pytest.mark.parametrize("bad", ["tts-s0", "foo", "medusa:frozen", "eagle3:no-spec", "tts-sx"])
+def test_bad_config_names_are_refused(bad):
+    with pytest.raises(ConfigError):
+        parse_config_name(bad)
+
+
+def test_kinds_needed_and_missing_drafters():
+    assert kinds_needed(["no-spec"], ["eagle3", "dflash"]) == []
+    assert kinds_needed(["no-spec", "dflash:stock"], ["eagle3", "dflash"]) == ["dflash"]
+    with pytest.raises(ConfigError, match="no dflash drafter"):
+        build_configs(["frozen"], ["eagle3", "dflash"], {"eagle3": "/e"})
+
+
+def test_schedule_rotates_the_configuration_order_per_round():
+    configs = full_configs(("no-spec", "frozen", "tts-s1"))[:3]
+    prompts = [BenchPrompt(f"p{i}", "d") for i in range(5)]
+    assert [len(c) for c in split_rounds(prompts, 3)] == [2, 2, 1]
+    assert split_rounds(prompts[:2], 5) == [[prompts[0]], [prompts[1]]]
+    slots = plan_schedule(configs, prompts, 3)
+    order = [[s.config.name for s in slots if s.round == r] for r in range(3)]
+    a, b, c = (x.name for x in configs)
+    assert order == [[a, b, c], [b, c, a], [c, a, b]]
+    assert all(isinstance(s, Slot) and s.prompts for s in slots)
+    assert interleave([[1, 2, 3], ["a"]]) == [1, "a", 2, 3]
+
+
+class _FakeSGLang(BaseHTTPRequestHandler):
+    """Answers /v1/chat/completions like SGLang does with return_meta_info."""
+
+    bodies: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 - BaseHTTPRequestHandler's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        _FakeSGLang.bodies.append(body)
+        meta = {
+            "completion_tokens": 8,
+            "spec_accept_length": 2.33,
+            "spec_verify_ct": 3,
+            "tts_accept_lengths": [1, 3, 3],
+            "tts_num_updates": 3,
+            "tts_num_skipped_updates": 0,
+            "tts_update_ms": 12.5,
+            "e2e_latency": 0.4,
+            "finish_reason": {"type": "length", "length": 8},
+        }
+        reply = {
+            "id": "x",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body["model"],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "one two three"},
+                    "finish_reason": "length",
+                    "meta_info": meta,
+                }
+            ],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
+        }
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_openai_request_carries_custom_params_and_reads_meta_info():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        prompt = BenchPrompt("p0", "d", messages=({"role": "user", "content": "hi"},))
+        sampling = SamplingSettings(max_new_tokens=8, temperature=0.7, ignore_eos=True)
+        response = send_openai(base, "m", prompt, sampling, details=True, timeout=30)
+    finally:
+        server.shutdown()
+    body = _FakeSGLang.bodies[-1]
+    assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 8
+    assert body["temperature"] == 0.7 and body["ignore_eos"] is True and body["return_meta_info"] is True
+    assert body["custom_params"] == {"tts_return_accept_lengths": True}
+    record = record_from_response("eagle3:tts-s1", prompt, 2, response, 0.5, sampling.label)
+    assert (record.completion_tokens, record.prompt_tokens, record.sampling) == (8, 5, "t0.7")
+    assert record.accept_lengths == [1, 3, 3] and record.spec_verify_ct == 3
+    assert record.tts_num_updates == 3 and record.tts_update_ms == 12.5 and record.finish_reason == "length"
+    assert record.tokens_per_s == pytest.approx(16.0)
+
+
+def test_runner_settings_default_to_the_openai_api_and_greedy():
+    settings = RunnerSettings(model="m")
+    assert settings.api == "openai" and settings.temperatures == (0.0,)
+    assert SamplingSettings().label == "greedy"

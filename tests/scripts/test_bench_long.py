@@ -1,0 +1,130 @@
+"""scripts/bench_long.py --smoke end to end: four real SGLang servers (one at a time) on tiny models.
+
+The smoke run serves the loopy tiny Llama with random EAGLE-3 and DFlash drafters, frozen and TTS at
+stride 1, two chat prompts through the openai client, 256 greedy tokens each. The frozen drafters
+accept almost nothing; TTS learns the target's cycle within the request.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ["eagle3:frozen", "eagle3:tts-s1", "dflash:frozen", "dflash:tts-s1"]
+PLOTS = ["acceptance_by_position", "acceptance_by_dataset", "stride_sweep", "throughput"]
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench-smoke")
+    cmd = [sys.executable, "scripts/bench_long.py", "--smoke", "-q", "--out", str(out), "--run", "smoke"]
+    cmd += ["--smoke-dir", str(out / "models")]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1400)
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-6000:]}"
+    assert "results: " in proc.stdout and "FAILED" not in proc.stdout
+    return out / "smoke"
+
+
+def test_every_configuration_ran_every_prompt(smoke_run):
+    data = json.loads((smoke_run / "results.json").read_text())
+    assert [c["name"] for c in data["configs"]] == CONFIGS
+    assert all(not log.get("error") for log in data["schedule"])
+    requests = data["requests"]
+    assert sorted((r["config"], r["prompt_id"]) for r in requests) == sorted(
+        (c, p) for c in CONFIGS for p in ("count-0", "story-0")
+    )
+    for r in requests:
+        assert r["completion_tokens"] == 256 and r["sampling"] == "greedy" and r["wall_s"] > 0
+        # the accept lengths cover the output: every token but the prefill one comes from a round
+        # (the last round may accept past the limit; SGLang truncates the output, not the count)
+        assert 255 <= sum(r["accept_lengths"]) <= 258 and len(r["accept_lengths"]) == r["spec_verify_ct"]
+        assert all(1 <= n <= 4 for n in r["accept_lengths"])
+        if r["config"].endswith("frozen"):
+            assert r["tts_num_updates"] == 0
+        else:
+            # stride 1: about one update per round (rounds with nothing to learn from may be skipped)
+            assert r["tts_num_updates"] > len(r["accept_lengths"]) // 2 and r["tts_update_ms"] > 0
+
+
+def test_tts_accepts_more_than_frozen_and_outputs_agree(smoke_run):
+    aggregates = json.loads((smoke_run / "results.json").read_text())["aggregates"]["greedy"]
+    summaries = {(s["config"], s["dataset"]): s for s in aggregates["summaries"]}
+    assert aggregates["datasets"] == ["smoke-count", "smoke-story"]
+    for kind in ("eagle3", "dflash"):
+        frozen, tts = summaries[(f"{kind}:frozen", "all")], summaries[(f"{kind}:tts-s1", "all")]
+        assert 1.0 <= frozen["accept_mean"] < 1.5  # random drafters accept almost nothing
+        assert tts["accept_second_half"] > frozen["accept_second_half"] + 0.15
+        assert tts["tokens_per_s"] > 0 and frozen["tokens_per_s"] > 0
+        comparison = next(
+            c for c in aggregates["comparisons"] if c["config"] == f"{kind}:tts-s1" and c["dataset"] == "all"
+        )
+        assert comparison["accept_gain_pct"] > 5
+        assert [b["start"] for b in tts["buckets"]] == list(range(0, 256, 32))
+    assert aggregates["best_tts"] == {"eagle3": "eagle3:tts-s1", "dflash": "dflash:tts-s1"}
+    # Greedy speculative decoding is lossless: every configuration wrote the same text.
+    assert aggregates["output_agreement"] == {"prompts": 2, "differing": []}
+
+
+def test_report_and_plots_are_written(smoke_run):
+    report = (smoke_run / "report.md").read_text()
+    assert "## Sampling: greedy decoding" in report and "### Acceptance per dataset: frozen vs TTS" in report
+    assert "| smoke-count |" in report and "eagle3:tts-s1" in report and "dflash:tts-s1" in report
+    for stem in PLOTS:
+        png = smoke_run / f"{stem}_greedy.png"
+        assert png.read_bytes().startswith(b"\x89PNG") and png.stat().st_size > 5000
+        assert f"]({png.name})" in report
+
+
+def _script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_long", REPO / "scripts" / "bench_long.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_from_json_rerenders_without_servers(tmp_path, capsys):
+    from sglang_tts.bench.report import write_json
+    from sglang_tts.bench.runner import RequestRecord
+
+    records = [
+        RequestRecord("eagle3:frozen", "d", "p0", 0, 11, 1.0, accept_lengths=[1] * 10),
+        RequestRecord("eagle3:tts-s1", "d", "p0", 0, 11, 0.5, accept_lengths=[2] * 5, tts_num_updates=5),
+    ]
+    configs = [
+        {"name": "eagle3:frozen", "variant": "frozen", "kind": "eagle3"},
+        {"name": "eagle3:tts-s1", "variant": "tts", "kind": "eagle3", "stride": 1},
+    ]
+    payload = {
+        "run": "cli",
+        "command": "x",
+        "machine": {},
+        "settings": {"bucket": 4},
+        "configs": configs,
+        "schedule": [],
+        "requests": [r.to_json() for r in records],
+    }
+    write_json(tmp_path / "results.json", payload)
+    assert _script().main(["--from-json", str(tmp_path / "results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| all | 1.00 | 2.00 (+100.0%) |" in out and f"results: {tmp_path / 'results.json'}" in out
+    assert (tmp_path / "acceptance_by_position_greedy.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--smoke", "--configs", "tts-s0"], "stride must be >= 1"),
+        (["--base-url", "http://127.0.0.1:9", "--configs", "eagle3:frozen"], "cannot read /server_info"),
+    ],
+)
+def test_bad_arguments_are_argparse_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        _script().main(argv)
+    assert error.value.code == 2 and message in capsys.readouterr().err
