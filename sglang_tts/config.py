@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-Scope = Literal["request", "global"]
+Scope = Literal["batch", "request", "global"]
+SCOPES = ("batch", "request", "global")
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
 
 
@@ -23,7 +24,18 @@ class TTSConfig:
     # lambda of the KL(q_t || q) regulariser; 0 disables it (saves one no-grad drafter forward).
     reg_lambda: float = 0.1
     steps_per_update: int = 1
-    scope: Scope = "request"
+    # "batch": one drafter, full-parameter updates, shared by the running batch and reset to base when
+    #   every request it adapted on has finished (batch size 1: the paper's per-request reset).
+    # "request": each request adapts its own low-rank adapter (core/adapters.py), at any batch size.
+    # "global": one drafter, never reset.
+    scope: Scope = "batch"
+    # Per-request adapters (scope "request"): rank r and alpha (delta = alpha / r * B A), the
+    # learning rate of the adapters (LoRA's usual ~10x the full-parameter rate; not yet tuned on the
+    # default model), and how many requests may hold an adapter at once (others: frozen drafter).
+    adapter_rank: int = 8
+    adapter_alpha: float = 16.0
+    adapter_lr: float = 1e-3
+    max_adapted_requests: int = 16
     # Run the update on the main stream / serving thread, for comparison with the async executor.
     sync: bool = False
     # Same code path, no updates: the frozen baseline.
@@ -47,6 +59,13 @@ class TTSConfig:
     log_interval: int = 50
     # Record per-round accepted lengths for requests that ask for them (meta_info).
     record_accept_lengths: bool = True
+    # RL controller (sglang_tts/control): a policy file that picks the draft chain length and the
+    # update stride every few rounds; None keeps the fixed flags. EAGLE-3 chains (topk 1) only.
+    controller: str | None = None
+    # Keep learning online from the served rounds (otherwise the policy only acts greedily).
+    controller_learn: bool = False
+    # Append the controller's (state, action, reward) records to this JSONL file (offline training).
+    controller_trace: str | None = None
 
     def validate(self) -> TTSConfig:
         if not isinstance(self.update_stride, int) or self.update_stride < 1:
@@ -59,8 +78,16 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-reg-lambda must be >= 0, got {self.reg_lambda!r}")
         if not isinstance(self.steps_per_update, int) or self.steps_per_update < 1:
             raise TTSConfigError(f"--tts-steps-per-update must be an integer >= 1, got {self.steps_per_update!r}")
-        if self.scope not in ("request", "global"):
-            raise TTSConfigError(f"--tts-scope must be 'request' or 'global', got {self.scope!r}")
+        if self.scope not in SCOPES:
+            raise TTSConfigError(f"--tts-scope must be one of {'|'.join(SCOPES)}, got {self.scope!r}")
+        if not isinstance(self.adapter_rank, int) or self.adapter_rank < 1:
+            raise TTSConfigError(f"--tts-adapter-rank must be an integer >= 1, got {self.adapter_rank!r}")
+        if not isinstance(self.max_adapted_requests, int) or self.max_adapted_requests < 1:
+            raise TTSConfigError(f"--tts-max-adapted-requests must be >= 1, got {self.max_adapted_requests!r}")
+        if not (0.0 < self.adapter_lr <= 1e-1):
+            raise TTSConfigError(f"--tts-adapter-lr must be in (0, 0.1], got {self.adapter_lr!r}")
+        if not (self.adapter_alpha > 0.0):
+            raise TTSConfigError(f"--tts-adapter-alpha must be > 0, got {self.adapter_alpha!r}")
         if self.optimizer not in ("adam", "adamw", "sgd"):
             raise TTSConfigError(f"--tts-optimizer must be adam, adamw or sgd, got {self.optimizer!r}")
         if self.loss_backend not in ("auto", "naive", "chunked", "triton"):
@@ -72,6 +99,8 @@ class TTSConfig:
         if self.position_weights is not None:
             if len(self.position_weights) == 0 or any(w < 0 for w in self.position_weights):
                 raise TTSConfigError("--tts-position-weights must be non-negative numbers")
+        if self.controller is not None and not str(self.controller).strip():
+            raise TTSConfigError("--tts-controller needs a policy file path (or 'none')")
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
         return self

@@ -1,11 +1,12 @@
 """Adaptation scopes: who owns the adapted drafter, and when it goes back to its base weights.
 
 A scope is an explicit object the worker consults before each draft with the ids of the requests
-in the batch. `RequestScope` is the paper's per-request reset: the drafter adapts on the requests
-that contribute canvases and resets once none of them is running any more (at batch size 1: at
-the end of each request; at batch size > 1 the shared drafter resets when every request it adapted
-on has left). `GlobalScope` never resets. Per-request adapters (one state per request) would be a
-third scope that owns one state per id; the worker does not need to change for it.
+in the batch. `BatchScope` is the paper's per-request reset for one shared drafter: it adapts on the
+requests that contribute canvases and resets once none of them is running any more (at batch size
+1: at the end of each request; at batch size > 1 when every request it adapted on has left).
+`GlobalScope` never resets. Scope "request" (per-request adapters, core/adapters.py) never resets
+the shared drafter either -- each request's own adapter is freed when the request leaves -- so it
+uses `GlobalScope` for the shared part.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ class GlobalScope(AdaptationScope):
         return False
 
 
-class RequestScope(AdaptationScope):
-    name = "request"
+class BatchScope(AdaptationScope):
+    name = "batch"
 
     def __init__(self) -> None:
         self.owners: set[str] = set()
@@ -50,8 +51,8 @@ class RequestScope(AdaptationScope):
 
 
 def make_scope(name: str) -> AdaptationScope:
-    if name == "request":
-        return RequestScope()
-    if name == "global":
+    if name == "batch":
+        return BatchScope()
+    if name in ("global", "request"):  # "request": the shared weights never change (adapters do)
         return GlobalScope()
-    raise ValueError(f"unknown TTS scope {name!r} (request | global)")
+    raise ValueError(f"unknown TTS scope {name!r} (batch | request | global)")

@@ -96,12 +96,18 @@ def validate_server_args(server_args) -> None:
     """Run by SGLang at argument resolution, in the launching process, before any worker starts."""
     from sglang_tts.sglang.flags import tts_config_from_env
 
-    tts_config_from_env()  # re-validates what the flags recorded
+    config = tts_config_from_env()  # re-validates what the flags recorded
     kind = resolve_drafter(
         getattr(server_args, "speculative_draft_model_path", None), getattr(server_args, "model_path", None)
     )
     if kind == "dflash" and getattr(server_args, "speculative_draft_window_size", None) is not None:
         raise TTSLaunchError("TTS with a DFlash drafter does not support --speculative-draft-window-size")
+    if config.scope == "request" and int(getattr(server_args, "tp_size", 1) or 1) > 1:
+        raise TTSLaunchError("--tts-scope request (per-request adapters) needs --tp-size 1; use --tts-scope batch")
+    if config.controller is not None:
+        from sglang_tts.sglang.controller import prepare_launch
+
+        prepare_launch(server_args, config, kind, TTSLaunchError)
     os.environ[KIND_ENV] = kind
     logger.info("sglang-tts: TTS with a %s drafter", kind)
 
@@ -157,7 +163,7 @@ def register_tts_algorithm() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_tts.sglang import flags, metrics
+    from sglang_tts.sglang import controller, flags, metrics
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
@@ -168,4 +174,5 @@ def register_tts_algorithm() -> None:
         )(worker_factory)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
     metrics.register_hooks(HookRegistry, HookType)
+    HookRegistry.register(controller.ADAPTIVE_REASON_TARGET, controller.adaptive_reason_hook, HookType.AROUND)
     _registered = True

@@ -31,3 +31,18 @@ def bind_draft_publisher(drafter, draft_model) -> WeightPublisher:
     if unbound:
         raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
     return WeightPublisher.from_name_map(serving, trained, name_map)
+
+
+def make_runtime(drafter, config, draft_model, device, pool_size: int):
+    """The TTSRuntime of a worker: full-parameter updates published into SGLang's draft model
+    (scopes batch / global), or per-request adapters hooked into it (scope request)."""
+    from dataclasses import replace
+
+    from sglang_tts.sglang.adapters import ServingAdapters, adapters_from_config
+    from sglang_tts.sglang.runtime import TTSRuntime
+
+    if config.scope != "request":
+        return TTSRuntime(drafter, config, bind_draft_publisher(drafter, draft_model), device)
+    adapted = adapters_from_config(drafter, config).to(device)
+    serving = ServingAdapters(draft_model, adapted, device, pool_size)
+    return TTSRuntime(adapted, replace(config, lr=config.adapter_lr), serving.publisher, device, serving)

@@ -27,10 +27,9 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
-from sglang_tts.sglang.binding import bind_draft_publisher, target_embedding
+from sglang_tts.sglang.binding import make_runtime, target_embedding
 from sglang_tts.sglang.capture import build_canvas
 from sglang_tts.sglang.flags import tts_config_from_env
-from sglang_tts.sglang.runtime import TTSRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +87,13 @@ class TTSDFlashWorker(DFlashWorkerV2):
             drafter.block_size = int(self.block_size)  # the server's block size wins, as for SGLang's drafting
             drafter.mask_token_id = int(self._mask_token_id)
             drafter.to(self.device)
-            self.tts = TTSRuntime(drafter, config, bind_draft_publisher(drafter, self.draft_model), self.device)
+            self.tts = make_runtime(
+                drafter,
+                config,
+                self.draft_model,
+                self.device,
+                getattr(server_args, "max_running_requests", None) or 256,
+            )
         self.tts.metrics = metrics.scheduler_metrics()
         self._draft_layers = [layer.self_attn.attn for layer in self.draft_model.layers]
         self._feature_dim = drafter.fc.in_features
@@ -116,6 +121,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
             )
         try:
             self.tts.before_draft([req.rid for req in batch.reqs])
+            self.tts.bind_batch(batch.reqs)
             self._after_publish()
         except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
             logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
@@ -213,7 +219,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
         for r, req in enumerate(batch.reqs):
             wants_digest = metrics.wants_weight_digest(req)
             if wants_digest:
-                digest = digest or self.tts.serving_digest()
+                digest = self.tts.serving_digest(rids[r])
             metrics.write_request_info(
                 req, self.tts.counters(rids[r]), commit_lens[r], digest if wants_digest else None
             )

@@ -7,13 +7,16 @@ stock EAGLE3 produces for the same drafter weights (lossless by construction). T
   CUDA graphs stay valid);
 - after each verify: capture of the canvas (drafted path, the target's logits there, the anchor
   feature, the drafter's cached K/V of the context) and the hand-off to the update schedule;
-- per-request counters written into `req.customized_info`, which SGLang forwards to meta_info.
+- per-request counters written into `req.customized_info`, which SGLang forwards to meta_info;
+- with `--tts-controller`: the controller behind SGLang's adaptive step switching (controller.py).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from pathlib import Path
 
 import torch
@@ -21,10 +24,9 @@ from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
-from sglang_tts.sglang.binding import bind_draft_publisher, target_embedding
+from sglang_tts.sglang.binding import make_runtime, target_embedding
 from sglang_tts.sglang.capture import build_canvas, path_rows
 from sglang_tts.sglang.flags import tts_config_from_env
-from sglang_tts.sglang.runtime import TTSRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -42,11 +44,14 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 server_args.speculative_draft_model_path, target_embedding=embedding, target_config=target_config
             )
             drafter.to(self.device)
-            self.tts = TTSRuntime(drafter, config, bind_draft_publisher(drafter, draft_model), self.device)
+            self.tts = make_runtime(
+                drafter, config, draft_model, self.device, getattr(server_args, "max_running_requests", None) or 256
+            )
         self.tts.metrics = metrics.scheduler_metrics()
         self._draft_layers = [
             m.attn for m in draft_model.modules() if hasattr(m, "attn") and hasattr(m.attn, "layer_id")
         ]
+        self.tts_controller = self._install_controller(config) if config.controller is not None else None
         logger.info(
             "sglang-tts: TTS on EAGLE-3 (stride %d, lr %g, scope %s, %s, %d trainable tensors)",
             config.update_stride,
@@ -60,24 +65,71 @@ class TTSEagleWorker(EAGLEWorkerV2):
 
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
-        if is_decode and not batch.forward_mode.is_idle():
+        live = is_decode and not batch.forward_mode.is_idle()
+        control = self.tts_controller
+        if control is not None:
+            control.forward_started()
+            start = time.perf_counter()
+            self._tts_round_seconds = 0.0
+        if live:
+            tic = time.perf_counter()
             try:
                 self.tts.before_draft([req.rid for req in batch.reqs])
+                self.tts.bind_batch(batch.reqs)
             except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
                 logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
-        return super().forward_batch_generation(
+            if control is not None:
+                self._tts_round_seconds += time.perf_counter() - tic
+        result = super().forward_batch_generation(
             batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
         )
+        if control is not None and live:
+            loss = self.tts.distiller.stats.last_loss
+            control.round_done(
+                num_steps=self.speculative_num_steps,
+                forward_seconds=time.perf_counter() - start,
+                tts_seconds=self._tts_round_seconds,
+                output_position=sum(len(req.output_ids) for req in batch.reqs) / max(len(batch.reqs), 1),
+                tts_loss=loss if math.isfinite(loss) else None,
+            )
+        return result
+
+    def _install_controller(self, config):
+        """Put the policy file's Controller behind SGLang's adaptive step switching (controller.py)."""
+        from sglang_tts.control.policy_file import load_policy
+        from sglang_tts.sglang.controller import ControlledSteps
+
+        if self.adaptive_controller is None:
+            raise RuntimeError(
+                "--tts-controller needs SGLang's adaptive speculative decoding, which it turned off "
+                "(its 'speculative_adaptive disabled' warning above says why)"
+            )
+        bundle = load_policy(config.controller)  # validated at launch
+        controller = bundle.make_controller(learn=config.controller_learn)
+        adapter = ControlledSteps(controller, self.tts.distiller.set_update_stride, config.controller_trace)
+        self.adaptive_controller.params = adapter
+        self._tts_round_seconds = 0.0
+        logger.info(
+            "sglang-tts: controller on (%s, persistence %d, %s), starting with %s",
+            getattr(bundle.policy, "kind", "?"),
+            controller.config.persistence,
+            "learning" if controller.config.learn else "fixed policy",
+            controller.current,
+        )
+        return adapter
 
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         verify_input = batch.spec_info
         seq_lens = batch.seq_lens.tolist() if not batch.forward_mode.is_idle() else []
         result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if not batch.forward_mode.is_idle():
+            tic = time.perf_counter()
             try:
                 self._after_verify(batch, verify_input, result, seq_lens)
             except Exception:  # noqa: BLE001 - TTS must never take a response down with it
                 logger.exception("sglang-tts: capture failed; this round is not used for adaptation")
+            if self.tts_controller is not None:
+                self._tts_round_seconds += time.perf_counter() - tic
         return result
 
     def _forward_prefill_batch(self, batch, *args, **kwargs):
@@ -159,7 +211,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
         digest = None
         for r, req in enumerate(batch.reqs):
             if metrics.wants_weight_digest(req):
-                digest = digest or self.tts.serving_digest()
+                digest = self.tts.serving_digest(rids[r])
             metrics.write_request_info(
                 req, self.tts.counters(rids[r]), accept_lens[r], digest if metrics.wants_weight_digest(req) else None
             )

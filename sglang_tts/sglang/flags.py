@@ -42,13 +42,33 @@ def _str_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _policy_path(text: str) -> str | None:
+    return None if text.strip().lower() == "none" else text
+
+
 # flag -> (TTSConfig field, argparse kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-update-stride": ("update_stride", {"type": _positive_int, "help": "Update the drafter every S rounds."}),
     "--tts-lr": ("lr", {"type": float, "help": "Learning rate of the online update."}),
     "--tts-reg-lambda": ("reg_lambda", {"type": float, "help": "Weight of KL(q_t || q) (matters when K > 1)."}),
     "--tts-steps-per-update": ("steps_per_update", {"type": _positive_int, "help": "Optimizer steps per update."}),
-    "--tts-scope": ("scope", {"choices": ["request", "global"], "help": "When the adapted drafter resets."}),
+    "--tts-scope": (
+        "scope",
+        {
+            "choices": ["batch", "request", "global"],
+            "help": "Shared drafter reset per batch, per-request adapters, or never.",
+        },
+    ),
+    "--tts-adapter-rank": ("adapter_rank", {"type": _positive_int, "help": "Rank of per-request adapters."}),
+    "--tts-adapter-alpha": (
+        "adapter_alpha",
+        {"type": float, "help": "Per-request adapter scale alpha (delta = alpha/r BA)."},
+    ),
+    "--tts-adapter-lr": ("adapter_lr", {"type": float, "help": "Learning rate of per-request adapters."}),
+    "--tts-max-adapted-requests": (
+        "max_adapted_requests",
+        {"type": _positive_int, "help": "Requests that may hold an adapter at once (others: frozen drafter)."},
+    ),
     "--tts-sync": ("sync", {"nargs": 0, "help": "Run updates on the serving thread/stream (comparison)."}),
     "--tts-freeze": ("freeze", {"nargs": 0, "help": "Same code path, never update: the frozen baseline."}),
     "--tts-optimizer": ("optimizer", {"choices": ["adam", "adamw", "sgd"], "help": "torch.optim optimizer."}),
@@ -58,6 +78,12 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-loss-backend": ("loss_backend", {"choices": ["auto", "naive", "chunked", "triton"], "help": "Loss kernel."}),
     "--tts-canvas": ("canvas", {"choices": ["accepted", "full"], "help": "Canvas positions the loss uses."}),
     "--tts-log-interval": ("log_interval", {"type": int, "help": "Log a TTS summary every N rounds (0: off)."}),
+    "--tts-controller": (
+        "controller",
+        {"type": _policy_path, "help": "Policy file of the RL draft/stride controller ('none': fixed flags)."},
+    ),
+    "--tts-controller-learn": ("controller_learn", {"nargs": 0, "help": "Keep training the controller online."}),
+    "--tts-controller-trace": ("controller_trace", {"type": str, "help": "Write controller records (JSONL)."}),
 }
 
 

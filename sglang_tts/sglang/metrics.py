@@ -24,6 +24,7 @@ SCALAR_KEYS = (
     "tts_update_ms",
     "tts_fallback_checked",
     "tts_fallback_mismatches",
+    "tts_adapter_capped",
 )
 ACCEPT_KEY = "tts_accept_lengths"
 REQUEST_FLAG = "tts_return_accept_lengths"
@@ -53,6 +54,7 @@ def write_request_info(req, counters, accept_len: int, digest: str | None = None
         "tts_update_ms": round(counters.update_ms, 3),
         "tts_fallback_checked": counters.fallback_checked,
         "tts_fallback_mismatches": counters.fallback_mismatches,
+        "tts_adapter_capped": counters.adapter_capped,
     }
     if digest is not None:
         if counters.digest_start is None:
@@ -123,6 +125,12 @@ class SchedulerMetrics:
             "sglang_tts:last_kl", "KL(target || drafter) of the last update", multiprocess_mode="mostrecent"
         )
         self.wait_seconds = Counter("sglang_tts:barrier_wait_seconds_total", "Time serving waited at the barrier")
+        self.adapter_capped = Counter(
+            "sglang_tts:adapter_capped_total", "Requests served by the frozen drafter: no adapter slot was free"
+        )
+        self.adapted_requests = Gauge(
+            "sglang_tts:adapted_requests", "Requests holding a per-request adapter", multiprocess_mode="mostrecent"
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:

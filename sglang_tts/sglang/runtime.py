@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_tts.config import TTSConfig
+from sglang_tts.core.adapters import SlotTable
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import make_executor
@@ -51,10 +52,18 @@ class RequestCounters:
     fallback_checked: int = 0
     fallback_mismatches: int = 0
     digest_start: str | None = None
+    adapter_capped: int = 0  # 1: no adapter slot was free, the request drafted with the frozen drafter
 
 
 class TTSRuntime:
-    def __init__(self, drafter: torch.nn.Module, config: TTSConfig, publisher: WeightPublisher | None, device):
+    def __init__(
+        self,
+        drafter: torch.nn.Module,
+        config: TTSConfig,
+        publisher: WeightPublisher | None,
+        device,
+        serving_adapters=None,
+    ):
         self.config = config
         self.device = torch.device(device)
         self.executor = make_executor(self.device, config.sync)
@@ -70,6 +79,11 @@ class TTSRuntime:
         self._pending_rids: list[str] = []
         self._last_verify_version = -1
         self.metrics = None
+        # --tts-scope request: `drafter` is an AdaptedDrafter, `serving_adapters` its published bank
+        # inside SGLang's draft model (sglang/adapters.py); each request holds a slot while it runs.
+        self.serving_adapters = serving_adapters
+        self.slots = SlotTable(config.max_adapted_requests) if serving_adapters is not None else None
+        self._digest: tuple[int, str] | None = None  # (weight version, digest) of the shared weights
 
     # --- per round --------------------------------------------------------------------------
 
@@ -81,17 +95,45 @@ class TTSRuntime:
             self.context_starts.pop(rid, None)
         for rid in [r for r in self.requests if r not in live_request_ids]:
             del self.requests[rid]
+        if self.slots is not None:
+            live = set(live_request_ids)
+            for rid in [r for r in self.slots.live() if r not in live]:
+                self._release_slot(rid)  # finished, aborted or retracted: the adapter goes
         if self.scope.before_round(live_request_ids):
             self._absorbing(self.distiller.reset)
             if self.metrics is not None:
                 self.metrics.resets.inc()
         self._absorbing(self.distiller.barrier)
 
+    def bind_batch(self, reqs) -> None:
+        """Per-request adapters: give this batch's new requests a slot (while the cap allows) and
+        tell SGLang's draft model which bank row each request's tokens use."""
+        if self.slots is None:
+            return
+        capped_before = self.slots.num_capped
+        for req in reqs:
+            if self.slots.acquire(req.rid) is None:
+                self.counters(req.rid).adapter_capped = 1
+        if self.metrics is not None and self.slots.num_capped > capped_before:
+            self.metrics.adapter_capped.inc(self.slots.num_capped - capped_before)
+        self.serving_adapters.set_batch(reqs, self.slots)
+        if self.metrics is not None:
+            self.metrics.adapted_requests.set(len(self.slots.slot_of))
+
+    def _release_slot(self, rid: str) -> None:
+        slot = self.slots.release(rid)
+        if slot is not None:
+            self.distiller.reset_parameters(self.drafter.bank.slot_parameter_names(slot))
+
     def observe(
         self, canvas: Canvas | None, accept_lengths: dict[str, int], check_canvas: Canvas | None = None
     ) -> None:
         """After verify: record acceptance, hand the canvas to the update schedule (and, in check
         mode, re-predict `check_canvas`'s drafted tokens with the differentiable drafter)."""
+        if self.slots is not None:
+            for c in (canvas, check_canvas):
+                if c is not None:
+                    c.slots = self.slots.slots(c.request_ids).to(c.input_ids.device)
         for rid, n in accept_lengths.items():
             counters = self.requests.setdefault(rid, RequestCounters())
             counters.rounds += 1
@@ -111,7 +153,10 @@ class TTSRuntime:
             self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas))
         if submitted:
-            self._pending_rids = list(canvas.request_ids)
+            rows = canvas.request_ids
+            if canvas.slots is not None:  # requests without an adapter were not trained
+                rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
+            self._pending_rids = list(rows)
 
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
         self.anchor_features[rid] = feature.detach().float().cpu().clone()
@@ -128,14 +173,25 @@ class TTSRuntime:
             return None  # e.g. a retracted and resumed request: the pool alone has the context
         return feats, start
 
-    def serving_digest(self) -> str:
-        """sha256 over the serving drafter's bound weights (what the next draft reads)."""
+    def serving_digest(self, rid: str | None = None) -> str:
+        """sha256 over the serving drafter's bound weights (what the next draft reads); with
+        per-request adapters, over request `rid`'s published adapter."""
         h = hashlib.sha256()
+        if self.serving_adapters is not None:
+            slot = self.slots.slot_of.get(rid, -1) if self.slots is not None else -1
+            bank = self.serving_adapters.bank
+            for t in (*bank.a, *bank.b):
+                h.update(t[slot + 1].detach().float().cpu().contiguous().numpy().tobytes())
+            return h.hexdigest()
         publisher = self.distiller.publisher
+        version = self.distiller.weight_version
+        if self._digest is not None and self._digest[0] == version:
+            return self._digest[1]
         tensors = [b.dst for b in publisher.bindings] if publisher is not None else self.distiller._serving_params
         for t in tensors:
             h.update(t.detach().float().cpu().contiguous().numpy().tobytes())
-        return h.hexdigest()
+        self._digest = (version, h.hexdigest())
+        return self._digest[1]
 
     def counters(self, rid: str) -> RequestCounters:
         return self.requests.setdefault(rid, RequestCounters())

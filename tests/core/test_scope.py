@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tts.core.scope import GlobalScope, RequestScope, make_scope
+from sglang_tts.core.scope import BatchScope, GlobalScope, make_scope
 
 
-def test_request_scope_resets_once_every_contributor_has_left():
-    scope = RequestScope()
+def test_batch_scope_resets_once_every_contributor_has_left():
+    scope = BatchScope()
     assert scope.before_round(["a"]) is False  # nothing adapted yet
     scope.contributed(["a"])
     assert scope.before_round(["a"]) is False
@@ -20,7 +20,7 @@ def test_request_scope_resets_once_every_contributor_has_left():
 
 
 def test_sequential_requests_at_batch_one_reset_between_requests():
-    scope = RequestScope()
+    scope = BatchScope()
     scope.contributed(["r1"])
     assert scope.before_round(["r2"]) is True
 
@@ -32,7 +32,8 @@ def test_global_scope_never_resets():
 
 
 def test_make_scope_names():
-    assert isinstance(make_scope("request"), RequestScope)
+    assert isinstance(make_scope("batch"), BatchScope)
     assert isinstance(make_scope("global"), GlobalScope)
+    assert isinstance(make_scope("request"), GlobalScope)  # per-request adapters: base never resets
     with pytest.raises(ValueError, match="unknown TTS scope"):
-        make_scope("batch")
+        make_scope("sequence")

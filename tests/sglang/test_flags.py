@@ -21,7 +21,7 @@ def parser(monkeypatch):
 def test_defaults_without_flags(parser):
     parser.parse_args([])
     cfg = flags.tts_config_from_env()
-    assert (cfg.update_stride, cfg.lr, cfg.scope, cfg.freeze, cfg.canvas) == (5, 1e-4, "request", False, "accepted")
+    assert (cfg.update_stride, cfg.lr, cfg.scope, cfg.freeze, cfg.canvas) == (5, 1e-4, "batch", False, "accepted")
 
 
 def test_flags_reach_the_config(parser):

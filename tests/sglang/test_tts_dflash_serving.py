@@ -76,7 +76,7 @@ def test_dflash_update_count_follows_the_stride_and_failures_are_rolled_back(tts
 def test_dflash_weights_change_during_a_request_and_reset_after_it(tts_results):
     a, b = (r["meta_info"] for r in tts_results[:2])
     assert a["tts_weight_digest_end"] != a["tts_weight_digest_start"]
-    assert b["tts_weight_digest_start"] == a["tts_weight_digest_start"], "scope 'request' must reset to base"
+    assert b["tts_weight_digest_start"] == a["tts_weight_digest_start"], "scope 'batch' must reset to base"
     assert b["tts_weight_digest_end"] != b["tts_weight_digest_start"]
 
 

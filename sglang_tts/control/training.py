@@ -1,0 +1,172 @@
+"""Fitting controller policies offline: from logged traces, and in the synthetic environment.
+
+Offline from traces (`fit_traces`): every trace record is one closed window (state at the decision,
+action, reward). The bandits keep one reward regression per action, so replaying the records through
+`policy.update` is the direct method of off-policy learning: it needs logs in which every action
+was tried in every kind of state (collect them with the round_robin policy, or with exploration on),
+and it does not correct for a logging policy that chose actions by state. The softmax policy learns
+only from its own decisions and is not fitted offline.
+
+Reward: "tokens_per_second" uses the logged reward (tokens / measured seconds of the window);
+"cost_model" fits a CostModel to all records and re-scores each window as tokens / predicted
+seconds (timing noise then does not reach the policy; the cost model goes into the policy file).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sglang_tts.control.actions import Action
+from sglang_tts.control.controller import Controller, ControllerConfig, read_trace
+from sglang_tts.control.cost import CostModel
+from sglang_tts.control.policy import ControllerPolicy
+from sglang_tts.control.synthetic import RunSummary, SyntheticConfig, SyntheticEnv, run_controller
+
+OFFLINE_KINDS = ("linucb", "thompson")
+
+
+@dataclass
+class TraceSet:
+    max_steps: int
+    feature_names: list[str]
+    actions: list[Action]  # every action seen in the headers, in first-seen order
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def load_traces(paths: Sequence[str | Path]) -> TraceSet:
+    """Read JSONL traces (Controller.write_trace / the server's --tts-controller-trace); all must
+    share one feature set."""
+    if not paths:
+        raise ValueError("no trace files given")
+    merged: TraceSet | None = None
+    for path in paths:
+        header, records = read_trace(path)
+        if merged is None:
+            merged = TraceSet(int(header["max_steps"]), list(header["feature_names"]), [])
+        elif header["feature_names"] != merged.feature_names:
+            raise ValueError(f"{path}: its features {header['feature_names']} differ from {merged.feature_names}")
+        for a in header["actions"]:
+            action = Action.from_dict(a)
+            if action not in merged.actions:
+                merged.actions.append(action)
+        merged.records.extend(records)
+    assert merged is not None
+    return merged
+
+
+def window_reward(record: dict[str, Any], cost_model: CostModel | None) -> float:
+    if cost_model is None:
+        return float(record["reward"])
+    w = record["window"]
+    seconds = w["rounds"] * cost_model.predict(w["num_steps"], w["mean_batch_size"], w["update_stride"])
+    return w["tokens"] / max(seconds, 1e-9)
+
+
+@dataclass
+class FitReport:
+    used: int = 0
+    skipped_unknown_action: int = 0
+    skipped_bad: int = 0
+    per_action: dict[str, int] = field(default_factory=dict)
+
+
+def fit_traces(
+    policy: ControllerPolicy, traces: TraceSet, cost_model: CostModel | None = None, passes: int = 1
+) -> FitReport:
+    """Replay the trace records through policy.update (see the module docstring). Records whose
+    action is not in the policy's action set are skipped and counted."""
+    kind = getattr(policy, "kind", "")
+    if kind not in OFFLINE_KINDS:
+        raise ValueError(f"policy kind {kind!r} cannot be fitted offline from traces; use one of {OFFLINE_KINDS}")
+    if getattr(policy, "dim", None) != len(traces.feature_names):
+        raise ValueError(
+            f"the policy has {getattr(policy, 'dim', None)} features, the traces {len(traces.feature_names)}"
+        )
+    index = {a: i for i, a in enumerate(policy.actions)}
+    report = FitReport()
+    for _ in range(max(int(passes), 1)):
+        for record in traces.records:
+            try:
+                action = Action.from_dict(record["action"])
+                reward = window_reward(record, cost_model)
+                features = record["features"]
+            except (KeyError, TypeError, ValueError):
+                report.skipped_bad += 1
+                continue
+            if action not in index:
+                report.skipped_unknown_action += 1
+                continue
+            if not reward > 0:
+                report.skipped_bad += 1
+                continue
+            policy.update(features, index[action], reward)
+            report.used += 1
+            report.per_action[str(action)] = report.per_action.get(str(action), 0) + 1
+    return report
+
+
+def train_synthetic(
+    policy: ControllerPolicy,
+    windows: int,
+    config: SyntheticConfig | None = None,
+    persistence: int = 8,
+    episode_rounds: int = 320,
+    seed: int = 0,
+    progress: bool = False,
+) -> RunSummary:
+    """Online learning (explore and learn) in the synthetic environment; the policy's action set
+    must be (a subset of) the environment's grid and its state size the environment's max_steps."""
+    config = config or SyntheticConfig()
+    controller = Controller(
+        policy, ControllerConfig(persistence=persistence, explore=True, learn=True), config.max_steps
+    )
+    env = SyntheticEnv(config, episode_rounds=episode_rounds, seed=seed)
+    return run_controller(controller, env, windows, progress=progress)
+
+
+def evaluate_synthetic(
+    policy: ControllerPolicy,
+    windows: int,
+    config: SyntheticConfig | None = None,
+    persistence: int = 8,
+    episode_rounds: int = 320,
+    seed: int = 1,
+) -> RunSummary:
+    """Greedy (no exploration, no learning) run in the synthetic environment: accuracy against the
+    known best action per context, and expected throughput relative to the oracle."""
+    config = config or SyntheticConfig()
+    controller = Controller(
+        policy, ControllerConfig(persistence=persistence, explore=False, learn=False), config.max_steps
+    )
+    env = SyntheticEnv(config, episode_rounds=episode_rounds, seed=seed)
+    return run_controller(controller, env, windows)
+
+
+def greedy_choice_per_context(
+    policy: ControllerPolicy,
+    config: SyntheticConfig,
+    windows: int = 20,
+    warmup_windows: int = 3,
+    persistence: int = 8,
+    seed: int = 1,
+) -> dict[Any, list[int]]:
+    """For each context of `config`: the policy's greedy (no exploration, no learning) action indices
+    over `windows` windows run in that context alone, after `warmup_windows` windows that let the
+    state settle (the state carries acceptance statistics over from the previous context)."""
+    choices: dict[Any, list[int]] = {}
+    for i, context in enumerate(config.contexts()):
+        controller = Controller(
+            policy, ControllerConfig(persistence=persistence, explore=False, learn=False), config.max_steps
+        )
+        env = SyntheticEnv(config, episode_rounds=10**9, seed=seed + i)
+        env.new_episode(context)
+        picked: list[int] = []
+        while len(picked) < warmup_windows + windows:
+            index = controller._index
+            if controller.observe(env.step(controller.current)) is not None:
+                picked.append(index)
+        choices[context] = picked[warmup_windows:]
+    return choices

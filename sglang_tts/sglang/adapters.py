@@ -1,0 +1,186 @@
+"""Per-request adapters inside SGLang's draft model (`--tts-scope request`).
+
+SGLang's draft model stays untouched: forward hooks on its linear layers add each token's request
+adapter delta (`ServingBank.delta`), and a pre-hook on each decoder layer reads the ForwardBatch it
+is called with to say which request every token belongs to. Fused layers (qkv_proj = [q | k | v], gate_up_proj =
+[gate | up]) get the delta of each adapted part added to its slice of the output.
+
+Token -> request: SGLang lays a forward's tokens out request by request, either with per-request
+lengths (`extend_seq_lens`, prefill / draft-extend) or a fixed number per request (draft steps:
+top-k rows; verify and DFlash blocks: draft tokens). A table indexed by `req_pool_idx` gives each
+request's bank row (0: no adapter), so the gathers only read tensors SGLang already holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from sglang_tts.core.adapters import AdaptedDrafter, ServingBank, SlotTable
+from sglang_tts.core.publish import STACKED_PARAMS, WeightPublisher
+
+logger = logging.getLogger(__name__)
+
+
+def _find_module(model: nn.Module, name: str) -> nn.Module | None:
+    for candidate in (name, f"model.{name}"):
+        try:
+            return model.get_submodule(candidate)
+        except AttributeError:
+            continue
+    return None
+
+
+def _serving_segments(draft_model: nn.Module, adapted: AdaptedDrafter) -> dict[str, list[tuple[str, int, int]]]:
+    """SGLang module name -> [(adapted layer name, output offset, width)]; raises if a layer has no home."""
+    layers = {layer.name: layer for layer in adapted.bank.layers}
+    fused_of = {part: fused for fused, parts in STACKED_PARAMS.items() for part in parts}
+    segments: dict[str, list[tuple[str, int, int]]] = {}
+    for name, layer in layers.items():
+        parent, _, leaf = name.rpartition(".")
+        if _find_module(draft_model, name) is not None:
+            segments.setdefault(name, []).append((name, 0, layer.out_features))
+            continue
+        fused = fused_of.get(leaf)
+        fused_name = f"{parent}.{fused}" if parent else str(fused)
+        if fused is None or _find_module(draft_model, fused_name) is None:
+            raise RuntimeError(f"per-request adapters: SGLang's draft model has no layer for {name}")
+        offset = 0
+        for part in STACKED_PARAMS[fused]:
+            part_name = f"{parent}.{part}" if parent else part
+            width = adapted.base.get_submodule(part_name).out_features
+            if part_name == name:
+                segments.setdefault(fused_name, []).append((name, offset, width))
+            offset += width
+    return segments
+
+
+def _pool_index(req) -> int | None:
+    """The request's row in SGLang's req_to_token pool (0.5.23 keeps it in `req.kv`)."""
+    kv = getattr(req, "kv", None)
+    index = getattr(kv, "req_pool_idx", None) if kv is not None else getattr(req, "req_pool_idx", None)
+    return int(index) if index is not None else None
+
+
+def _decoder_layer_of(module_name: str) -> str:
+    """'layers.0.self_attn.qkv_proj' -> 'layers.0' (the decoder layer that owns a projection)."""
+    parts = module_name.split(".")
+    if "layers" in parts:
+        i = parts.index("layers")
+        return ".".join(parts[: i + 2])
+    return parts[0]  # e.g. 'midlayer'
+
+
+class ServingAdapters:
+    """The published adapters and the hooks that apply them in SGLang's draft model."""
+
+    def __init__(self, draft_model: nn.Module, adapted: AdaptedDrafter, device, pool_size: int) -> None:
+        dtype = next(draft_model.parameters()).dtype
+        self.bank = ServingBank(adapted.bank, device=device, dtype=dtype)
+        trained = dict(adapted.trainable_named_parameters())
+        self.publisher = WeightPublisher.from_name_map(self.bank.destinations(adapted.bank), trained)
+        # bank row per req_pool_idx (0: no adapter); grows if SGLang's pool is larger than pool_size.
+        self.row_of_pool = torch.zeros(pool_size + 1, dtype=torch.int64, device=device)
+        self._token_rows: torch.Tensor | None = None
+        self._active = False
+        self._warned = False
+        self._logged = False
+        # CUDA graphs are captured before any request holds a slot: there the hooks must always
+        # run (a zero row is a zero delta) so the captured graph contains them. CPU skips idle work.
+        self._always = torch.device(device).type == "cuda"
+        self.handles = []
+        segments = _serving_segments(draft_model, adapted)
+        # SGLang's model runner calls the model's forward() directly (no module hooks there), but the
+        # decoder layers are called as modules, with the ForwardBatch: map tokens to requests there.
+        # `model` (the body, called as a module by the CausalLM's forward) maps them before `fc`.
+        owners = {_decoder_layer_of(name) for name in segments}
+        if isinstance(getattr(draft_model, "model", None), nn.Module):
+            owners.add("model")
+        for owner_name in sorted(owners):
+            owner = draft_model.model if owner_name == "model" else _find_module(draft_model, owner_name)
+            self.handles.append(owner.register_forward_pre_hook(self._before_layer, with_kwargs=True))
+        for module_name, parts in segments.items():
+            module = _find_module(draft_model, module_name)
+            self.handles.append(module.register_forward_hook(self._delta_hook(parts)))
+
+    # --- per batch (scheduler thread) ---------------------------------------------------------------
+
+    def set_batch(self, reqs, slots: SlotTable) -> None:
+        """Bank rows of this batch's requests (call before its draft model forwards)."""
+        self.row_of_pool.zero_()
+        pairs = [(_pool_index(r), slots.slot_of.get(r.rid, -1) + 1) for r in reqs]
+        pool = [p for p, _ in pairs if p is not None]
+        rows = [row for p, row in pairs if p is not None]
+        if pool and max(pool) >= self.row_of_pool.shape[0]:  # the pool grew past our estimate
+            self.row_of_pool = torch.zeros(2 * max(pool) + 2, dtype=torch.int64, device=self.row_of_pool.device)
+        if pool:
+            self.row_of_pool[torch.tensor(pool, device=self.row_of_pool.device)] = torch.tensor(
+                rows, device=self.row_of_pool.device
+            )
+        self._active = any(row > 0 for row in rows)
+
+    # --- hooks ---------------------------------------------------------------------------------------
+
+    def _before_layer(self, module, args, kwargs):
+        self._token_rows = None
+        if not (self._active or self._always):
+            return None
+        values = [*args, *kwargs.values()]
+        forward_batch = next((v for v in values if hasattr(v, "forward_mode")), None)
+        first = next((v for v in values if isinstance(v, torch.Tensor)), None)  # positions [N]
+        if forward_batch is None or first is None:
+            return None
+        self._token_rows = self._rows_per_token(forward_batch, int(first.shape[0]))
+        if not self._logged and self._token_rows is not None and bool((self._token_rows > 0).any()):
+            logger.info("sglang-tts: per-request adapters applied in SGLang's draft model (first use)")
+            self._logged = True
+        return None
+
+    def _rows_per_token(self, forward_batch, num_tokens: int) -> torch.Tensor | None:
+        req_rows = self.row_of_pool[forward_batch.req_pool_indices.long()]
+        bs = int(req_rows.shape[0])
+        if bs == 0:
+            return None
+        lens = getattr(forward_batch, "extend_seq_lens", None)
+        if forward_batch.forward_mode.is_extend() and lens is not None and int(lens.sum()) == num_tokens:
+            return torch.repeat_interleave(req_rows, lens.long())
+        if num_tokens % bs:
+            if not self._warned:
+                logger.warning("sglang-tts: %d draft tokens do not split over %d requests; no adapters", num_tokens, bs)
+                self._warned = True
+            return None  # the base drafter for this forward: slower drafts, never a failed batch
+        return req_rows.repeat_interleave(num_tokens // bs)
+
+    def _delta_hook(self, parts: list[tuple[str, int, int]]):
+        def hook(module, inputs, output):
+            rows = self._token_rows
+            if rows is None:
+                return None
+            out, rest = (output[0], output[1:]) if isinstance(output, tuple) else (output, None)
+            x = inputs[0]
+            if x.shape[0] != rows.shape[0]:
+                return None  # a forward we did not map (e.g. a warmup with another layout): base drafter
+            out = out.clone()
+            for name, offset, width in parts:
+                out[:, offset : offset + width] += self.bank.delta(name, x, rows).to(out.dtype)
+            return (out, *rest) if rest is not None else out
+
+        return hook
+
+
+# Adapted layers (both kinds). Not K/V or fc: DFlash's context-K/V writer uses those weights outside
+# any module call, and for EAGLE-3 adapting them made SGLang's drafts and the differentiable
+# drafter's disagree (not yet understood), so they stay frozen until that is.
+ADAPTED_LAYERS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
+    return AdaptedDrafter(
+        drafter,
+        num_slots=config.max_adapted_requests,
+        rank=config.adapter_rank,
+        alpha=config.adapter_alpha,
+        layers=ADAPTED_LAYERS,
+    )

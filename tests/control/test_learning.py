@@ -1,0 +1,103 @@
+"""The learners find the known best action per context of a synthetic environment (online and from
+logged traces), and the controller's window/trace bookkeeping."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from sglang_tts.control import Action, Controller, ControllerConfig, Observation, feature_names, make_policy, read_trace
+from sglang_tts.control.synthetic import SyntheticConfig, SyntheticEnv
+from sglang_tts.control.training import fit_traces, greedy_choice_per_context, load_traces, train_synthetic
+
+# Two chain lengths x two strides, four contexts (batch 1/16 x early/late in the output) whose best
+# actions differ in both axes, each at least ~12% better than the runner-up in expectation.
+ENV = SyntheticConfig(
+    accept_rate=(("high", 0.8),),
+    steps=(1, 4),
+    strides=(1, 16),
+    late_drift=0.4,
+    t_update=0.01,
+    batch_sizes=(1, 16),
+    noise_sigma=0.05,
+)
+
+
+def _mode(values):
+    return collections.Counter(values).most_common(1)[0][0]
+
+
+def test_the_environment_is_not_trivial():
+    actions = ENV.actions()
+    table = ENV.reward_table()
+    best = {c: int(np.argmax(r)) for c, r in table.items()}
+    assert len(set(best.values())) >= 3
+    assert {actions[i].num_steps for i in best.values()} == {1, 4}
+    assert {actions[i].update_stride for i in best.values()} == {1, 16}
+    for r in table.values():
+        top, second = np.sort(r)[::-1][:2]
+        assert top / second > 1.1
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_online_learner_finds_the_best_action_per_context(seed):
+    dim = len(feature_names(ENV.max_steps))
+    policy = make_policy("thompson", ENV.actions(), dim, seed=seed)
+    train_synthetic(policy, windows=600, config=ENV, seed=seed, episode_rounds=160)
+    for context, picked in greedy_choice_per_context(policy, ENV).items():
+        assert _mode(picked) == ENV.best_action_index(context), (str(context), picked)
+
+
+def test_offline_fit_from_a_round_robin_trace_finds_the_best_action(tmp_path):
+    actions = ENV.actions()
+    dim = len(feature_names(ENV.max_steps))
+    logger = Controller(make_policy("round_robin", actions, dim), ControllerConfig(persistence=8), ENV.max_steps)
+    env = SyntheticEnv(ENV, episode_rounds=160, seed=5)
+    while logger.stats["decisions"] < 800:
+        logger.observe(env.step(logger.current))
+    trace = tmp_path / "trace.jsonl"
+    assert logger.write_trace(trace) == 800
+    traces = load_traces([trace])
+    assert traces.actions == actions and len(traces.records) == 800
+
+    policy = make_policy("linucb", actions, dim)
+    report = fit_traces(policy, traces)
+    assert report.used == 800 and set(report.per_action.values()) == {200}
+    for context, picked in greedy_choice_per_context(policy, ENV).items():
+        assert _mode(picked) == ENV.best_action_index(context), (str(context), picked)
+
+
+def test_offline_fit_refuses_on_policy_learners_and_other_feature_sets(tmp_path):
+    actions = ENV.actions()
+    c = Controller(make_policy("static", actions, 0), ControllerConfig(persistence=2), ENV.max_steps)
+    env = SyntheticEnv(ENV, seed=0)
+    for _ in range(10):
+        c.observe(env.step(c.current))
+    c.write_trace(tmp_path / "t.jsonl")
+    traces = load_traces([tmp_path / "t.jsonl"])
+    with pytest.raises(ValueError, match="cannot be fitted offline"):
+        fit_traces(make_policy("softmax", actions, len(traces.feature_names)), traces)
+    with pytest.raises(ValueError, match="features"):
+        fit_traces(make_policy("linucb", actions, len(traces.feature_names) + 2), traces)
+
+
+def test_round_robin_cycles_and_the_trace_records_each_window(tmp_path):
+    actions = [Action(1, 1), Action(3, 4), Action(0, 1)]
+    dim = len(feature_names(3))
+    c = Controller(make_policy("round_robin", actions, dim, order=[1, 2, 0]), ControllerConfig(persistence=2), 3)
+    seen = [c.current]
+    for i in range(12):
+        obs = Observation([c.current.num_steps + 1], c.current.num_steps, 1, 10.0 + i, 0.01, 0.001, 0.5)
+        nxt = c.observe(obs)
+        if nxt is not None:
+            seen.append(nxt)
+    assert seen == [actions[i] for i in [1, 2, 0, 1, 2, 0, 1]]
+    c.write_trace(tmp_path / "t.jsonl")
+    header, records = read_trace(tmp_path / "t.jsonl")
+    assert header["feature_names"] == feature_names(3)
+    assert [r["action"] for r in records] == [a.to_dict() for a in seen[:-1]]
+    # tokens/s of whole rounds: 2 rounds of (steps + 1) tokens in 2 x 0.01 s
+    assert records[0]["reward"] == pytest.approx(2 * 4 / 0.02)
+    assert all(r["window"]["mismatched_rounds"] == 0 for r in records)

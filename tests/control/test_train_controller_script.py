@@ -1,0 +1,52 @@
+"""scripts/train_controller.py: scripted, trace-fitted and synthetic policies come out loadable."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from sglang_tts.control import Action, load_policy
+from sglang_tts.control.synthetic import SyntheticConfig, SyntheticEnv
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "train_controller.py"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("train_controller", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_collect_with_round_robin_then_fit_the_traces(script, tmp_path, capsys):
+    rr = tmp_path / "rr.json"
+    assert script.main(["--kind", "round_robin", "--steps", "1,3", "--strides", "1,4", "--out", str(rr)]) == 0
+    controller = load_policy(rr).make_controller()
+    env = SyntheticEnv(SyntheticConfig(steps=(1, 3), strides=(1, 4)), seed=0)
+    while controller.stats["decisions"] < 40:
+        controller.observe(env.step(controller.current))
+    controller.write_trace(tmp_path / "trace.jsonl")
+
+    out = tmp_path / "fit.json"
+    argv = ["--kind", "linucb", "--trace", str(tmp_path / "trace.jsonl"), "--reward", "cost_model", "--out", str(out)]
+    assert script.main([*argv, "--initial-steps", "3", "--initial-stride", "4"]) == 0
+    assert '"trace_records_used": 40' in capsys.readouterr().out
+    bundle = load_policy(out)
+    assert bundle.actions == [Action(1, 1), Action(1, 4), Action(3, 1), Action(3, 4)]
+    assert bundle.config.reward == "cost_model" and bundle.config.cost_model is not None
+    assert bundle.config.initial_action == Action(3, 4) and int(sum(bundle.policy.counts)) == 40
+
+
+def test_synthetic_training_and_bad_inputs(script, tmp_path, capsys):
+    out = tmp_path / "syn.json"
+    assert script.main(["--kind", "thompson", "--synthetic-windows", "50", "--evaluate", "20", "--out", str(out)]) == 0
+    assert "synthetic_eval_oracle_ratio" in capsys.readouterr().out
+    assert load_policy(out).policy.kind == "thompson"
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert script.main(["--init", str(bad), "--out", str(tmp_path / "x.json")]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+    assert script.main(["--kind", "linucb", "--steps", "1", "--reward", "cost_model", "--out", str(out)]) == 2
