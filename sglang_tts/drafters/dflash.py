@@ -360,7 +360,16 @@ class DFlashDrafter(nn.Module):
             key_mask.append(valid)
         key_mask.append(torch.ones(b, s, dtype=torch.bool, device=device))
         visible = torch.cat(key_mask, dim=1)[:, None, :].expand(b, s, -1)
+        return self._run_block(block_ids, block_positions, prefix, visible)
 
+    def _run_block(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        prefix: KVCache | None,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
+        """Blocks [B, S] through all layers over per-layer prefix K/V; `visible` [B, S, L + S]."""
         hidden, residual = self.embed(block_ids), None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(
@@ -368,6 +377,34 @@ class DFlashDrafter(nn.Module):
             )
         normed, _ = self.norm(hidden, residual)
         return normed
+
+    def anchored_block_hidden(
+        self,
+        block_ids: torch.Tensor,
+        block_positions: torch.Tensor,
+        features: torch.Tensor,
+        context_positions: torch.Tensor,
+        context_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        """Training forward of A blocks per sequence: normed hidden [B, A, S, H].
+
+        block_ids / block_positions [B, A, S]; features [B, L, F] at context_positions [B, L]
+        (valid where context_mask). Each block sees what `block_hidden` would give it -- the valid
+        context rows before its first position and all its own slots -- but the context K/V is
+        computed once per sequence and shared by its A blocks, with gradients (SpecForge's
+        parallel-blocks training, without flex attention).
+        """
+        b, a, s = block_ids.shape
+        ctx_kv = self.context_kv(features, context_positions)
+        prefix = [
+            tuple(x[:, None].expand(b, a, *x.shape[1:]).reshape(b * a, *x.shape[1:]) for x in kv) for kv in ctx_kv
+        ]
+        before = context_positions[:, None, :] < block_positions[:, :, :1]  # [B, A, L]
+        ctx_visible = (before & context_mask.bool()[:, None, :]).reshape(b * a, -1)
+        own = torch.ones(b * a, s, dtype=torch.bool, device=block_ids.device)
+        visible = torch.cat((ctx_visible, own), dim=1)[:, None, :].expand(b * a, s, -1)
+        hidden = self._run_block(block_ids.reshape(b * a, s), block_positions.reshape(b * a, s), prefix, visible)
+        return hidden.reshape(b, a, s, -1)
 
     def block_ids_for(self, anchor_ids: torch.Tensor) -> torch.Tensor:
         """[anchor, MASK * (block_size - 1)] for anchors [B]."""

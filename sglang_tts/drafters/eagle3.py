@@ -368,6 +368,18 @@ class Eagle3Drafter(nn.Module):
         visible = (causal[None] & row_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]
         if past_kv is not None:
             visible = torch.cat((past_mask[:, None, :].expand(b, t, -1), visible), dim=-1)
+        return self._forward_layers(embeds, hidden, rope_positions, past_kv, visible)
+
+    def _forward_layers(
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        rope_positions: torch.Tensor,
+        past_kv: KVCache | None,
+        visible: torch.Tensor,
+    ) -> Eagle3Output:
+        """T rows through all layers; `visible` [B, T, L_past + T] says which past and new keys
+        each row sees (new keys come last)."""
         residual = None
         new_kv: KVCache = []
         for i, layer in enumerate(self.layers):
@@ -438,6 +450,44 @@ class Eagle3Drafter(nn.Module):
             past_kv,
             past_mask,
         )
+
+    def ttt_hidden(
+        self,
+        input_ids: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        row_mask: torch.Tensor | None = None,
+        steps: int = 7,
+    ) -> list[torch.Tensor]:
+        """Training-time-test unroll over whole sequences (EAGLE-3 / SpecForge recipe): normed hidden
+        [B, T, H] for each of `steps` draft steps.
+
+        Same conventions as `extend`: row t of step 0 consumes `features[:, t]` (the target feature
+        of the token before `input_ids[:, t]`) and the embedding of `input_ids[:, t]`. Step j > 0
+        feeds row t the drafter's own recycled hidden from step j - 1 and the embedding of
+        `input_ids[:, t + j]` at RoPE position `positions[:, t] + j - 1`, i.e. it is draft step j of
+        a chain anchored at row t. Row t of step j attends to the step-0 rows s <= t (causal, valid
+        rows only) and to its own rows of steps 1..j -- exactly what `canvas_hidden` computes for
+        that chain with the step-0 rows before t as `past_kv`. Ids past the end repeat the last one
+        (those rows have no label; callers mask them).
+        """
+        b, t = input_ids.shape
+        device = input_ids.device
+        if row_mask is None:
+            row_mask = torch.ones(b, t, dtype=torch.bool, device=device)
+        eye = torch.eye(t, dtype=torch.bool, device=device)[None].expand(b, t, t)
+        causal = (torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))[None] & row_mask[:, None, :]) | eye
+        hidden = self.project_features(features)
+        cache: KVCache | None = None
+        outputs: list[torch.Tensor] = []
+        for j in range(steps):
+            ids = input_ids if j == 0 else torch.cat((input_ids[:, j:], input_ids[:, -1:].expand(b, min(j, t))), 1)
+            visible = torch.cat([causal] + [eye] * j, dim=-1)
+            out = self._forward_layers(self.embed(ids), hidden, positions + j - 1, cache, visible)
+            outputs.append(out.hidden)
+            hidden = out.aux
+            cache = append_kv(cache, out.kv)
+        return outputs
 
     # ------------------------------------------------------------------ DifferentiableDrafter
 

@@ -50,17 +50,30 @@ def default_dflash_target_layer_ids(num_target_layers: int, count: int) -> list[
     return sorted({round(i * last / (count - 1)) for i in range(count)})
 
 
-def _draft_vocab(vocab_size: int, draft_vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """d2t (draft id -> target id offset) and t2d (target id in the draft vocab) for a random
-    sorted subset, the way EAGLE-3's scandata builds them."""
-    used = torch.randperm(vocab_size, generator=gen)[:draft_vocab_size].sort().values
-    d2t = (used - torch.arange(draft_vocab_size)).to(torch.int64)
+def draft_vocab_maps(used_ids: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t (draft id -> target id offset) and t2d (target id in the draft vocab) for the target ids
+    `used_ids`, laid out the way EAGLE-3's scandata builds them: draft id i is the i-th smallest
+    used target id, d2t[i] = used[i] - i."""
+    used = torch.unique(used_ids.to(torch.int64))  # sorted, distinct
+    if used.numel() != used_ids.numel():
+        raise ValueError("draft vocabulary ids must be distinct")
+    if used.numel() and not 0 <= int(used[0]) <= int(used[-1]) < vocab_size:
+        raise ValueError(f"draft vocabulary ids must lie in [0, {vocab_size})")
+    d2t = used - torch.arange(used.numel())
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[used] = True
     return d2t, t2d
 
 
-def _save(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], fmt: str) -> Path:
+def _draft_vocab(vocab_size: int, draft_vocab_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """d2t and t2d for a random subset of the target vocabulary."""
+    return draft_vocab_maps(torch.randperm(vocab_size, generator=gen)[:draft_vocab_size], vocab_size)
+
+
+def save_checkpoint(
+    out: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any], fmt: str = "safetensors"
+) -> Path:
+    """Write `config.json` and the tensors (`model.safetensors` or `pytorch_model.bin`) into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     tensors = {k: v.contiguous() for k, v in tensors.items()}
@@ -89,6 +102,79 @@ class _Init:
         return 1.0 + 0.1 * torch.randn(size, generator=self.gen)
 
 
+def _dims(target_config: dict[str, Any]) -> dict[str, int]:
+    """The Llama-style shape fields a drafter copies from its target."""
+    h = int(target_config["hidden_size"])
+    heads = int(target_config["num_attention_heads"])
+    return {
+        "hidden_size": h,
+        "intermediate_size": int(target_config["intermediate_size"]),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(target_config.get("num_key_value_heads") or heads),
+        "head_dim": int(target_config.get("head_dim") or h // heads),
+    }
+
+
+def eagle3_config(
+    target_config: dict[str, Any],
+    *,
+    draft_vocab_size: int,
+    aux_layer_ids: list[int],
+    num_layers: int = 1,
+) -> dict[str, Any]:
+    """The config.json of an EAGLE-3 drafter for `target_config` (`LlamaForCausalLMEagle3`, the
+    target's shapes, explicit output-of-layer `eagle_aux_hidden_state_layer_ids`)."""
+    config: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        **_dims(target_config),
+        "num_hidden_layers": int(num_layers),
+        "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
+        "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
+        "vocab_size": int(target_config["vocab_size"]),
+        "draft_vocab_size": int(draft_vocab_size),
+        "target_hidden_size": int(target_config["hidden_size"]),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layer_ids), "use_aux_hidden_state": True},
+    }
+    config.update({k: target_config[k] for k in _TARGET_PASSTHROUGH if target_config.get(k) is not None})
+    return config
+
+
+def dflash_config(
+    target_config: dict[str, Any],
+    *,
+    block_size: int,
+    num_layers: int,
+    target_layer_ids: list[int],
+    mask_token_id: int,
+) -> dict[str, Any]:
+    """The config.json of a DFlash drafter for `target_config` (`DFlashDraftModel`, the target's
+    shapes, explicit `dflash_config.mask_token_id` and output-of-layer `target_layer_ids`)."""
+    config: dict[str, Any] = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        **_dims(target_config),
+        "num_hidden_layers": int(num_layers),
+        "num_target_layers": int(target_config["num_hidden_layers"]),
+        "block_size": int(block_size),
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": list(target_layer_ids)},
+        "layer_types": ["full_attention"] * int(num_layers),
+        "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
+        "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
+        "vocab_size": int(target_config["vocab_size"]),
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    config.update({k: target_config[k] for k in _TARGET_PASSTHROUGH if target_config.get(k) is not None})
+    return config
+
+
 def write_tiny_eagle3(
     out_dir: str | Path,
     target_config: dict[str, Any],
@@ -108,15 +194,15 @@ def write_tiny_eagle3(
     are numbered as they are learnt). Layer 0 is stored under `layout`; extra layers
     (num_layers > 1) always as `layers.N.*`.
     """
-    h = int(target_config["hidden_size"])
-    inter = int(target_config["intermediate_size"])
-    heads = int(target_config["num_attention_heads"])
-    kv_heads = int(target_config.get("num_key_value_heads") or heads)
-    head_dim = int(target_config.get("head_dim") or h // heads)
     vocab = int(target_config["vocab_size"])
     n_target = int(target_config["num_hidden_layers"])
     draft_vocab_size = int(draft_vocab_size) if draft_vocab_size is not None else vocab // 2
     aux_ids = list(aux_layer_ids) if aux_layer_ids is not None else default_eagle3_aux_layer_ids(n_target)
+    config = eagle3_config(
+        target_config, draft_vocab_size=draft_vocab_size, aux_layer_ids=aux_ids, num_layers=num_layers
+    )
+    h, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     init = _Init(seed, init_std)
     tensors: dict[str, torch.Tensor] = {"fc.weight": init.linear(h, len(aux_ids) * h)}
@@ -145,29 +231,7 @@ def write_tiny_eagle3(
     tensors.update(
         {"norm.weight": init.norm(h), "lm_head.weight": init.linear(draft_vocab_size, h), "d2t": d2t, "t2d": t2d}
     )
-
-    config: dict[str, Any] = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": num_layers,
-        "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
-        "vocab_size": vocab,
-        "draft_vocab_size": draft_vocab_size,
-        "target_hidden_size": h,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
-    }
-    config.update({k: target_config[k] for k in _TARGET_PASSTHROUGH if target_config.get(k) is not None})
-    return _save(Path(out_dir), tensors, config, fmt)
+    return save_checkpoint(Path(out_dir), tensors, config, fmt)
 
 
 def write_tiny_dflash(
@@ -187,17 +251,17 @@ def write_tiny_dflash(
     vocabulary when the tokenizer has no `<|MASK|>`). `target_layer_ids` default: one per draft
     layer, spread over the capturable range.
     """
-    h = int(target_config["hidden_size"])
-    inter = int(target_config["intermediate_size"])
-    heads = int(target_config["num_attention_heads"])
-    kv_heads = int(target_config.get("num_key_value_heads") or heads)
-    head_dim = int(target_config.get("head_dim") or h // heads)
     vocab = int(target_config["vocab_size"])
     n_target = int(target_config["num_hidden_layers"])
     if target_layer_ids is None:
         target_layer_ids = default_dflash_target_layer_ids(n_target, num_layers)
     layer_ids = list(target_layer_ids)
     mask_id = int(mask_token_id) if mask_token_id is not None else vocab - 1
+    config = dflash_config(
+        target_config, block_size=block_size, num_layers=num_layers, target_layer_ids=layer_ids, mask_token_id=mask_id
+    )
+    h, inter, head_dim = config["hidden_size"], config["intermediate_size"], config["head_dim"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
     init = _Init(seed, init_std)
     tensors: dict[str, torch.Tensor] = {}
@@ -225,27 +289,4 @@ def write_tiny_dflash(
             "norm.weight": init.norm(h),
         }
     )
-
-    config: dict[str, Any] = {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": h,
-        "intermediate_size": inter,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "num_hidden_layers": num_layers,
-        "num_target_layers": n_target,
-        "block_size": int(block_size),
-        "dflash_config": {"mask_token_id": mask_id, "target_layer_ids": layer_ids},
-        "layer_types": ["full_attention"] * num_layers,
-        "max_position_embeddings": int(target_config.get("max_position_embeddings", 4096)),
-        "rms_norm_eps": float(target_config.get("rms_norm_eps", 1e-6)),
-        "vocab_size": vocab,
-        "hidden_act": "silu",
-        "attention_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": "float32",
-    }
-    config.update({k: target_config[k] for k in _TARGET_PASSTHROUGH if target_config.get(k) is not None})
-    return _save(Path(out_dir), tensors, config, fmt)
+    return save_checkpoint(Path(out_dir), tensors, config, fmt)

@@ -1,0 +1,205 @@
+"""The drafter training set: the target's own greedy answers to offline prompts.
+
+Each prompt (``sglang_tts.data.prompts.load_prompts``) is rendered with the target's chat template
+(``format_chat``: question + step-by-step instruction) and answered by the target with greedy
+decoding, at most ``max_new_tokens`` new tokens (stopping at EOS, which is kept). A sequence is
+the prompt ids followed by the answer ids; only answer tokens are ever predicted by the drafters,
+the prompt is context. Generation runs in left-padded batches (fp32, CPU).
+
+The set is cached with ``torch.save`` under a name derived from everything that shapes it (target
+weights, prompt source, count, seed, lengths), and written after every generation batch, so an
+interrupted build resumes where it stopped and a rerun costs nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt, format_chat, load_prompts
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DATA_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass
+class DataConfig:
+    """What the generated training set is made of."""
+
+    source: str = "math500"  # builtin set name, a .jsonl path, or hf:<name>
+    num_prompts: int = 256
+    max_new_tokens: int = 256  # answer length cap: the sets are deliberately short
+    max_prompt_tokens: int = 256  # longer prompts are skipped
+    seed: int = 0
+    batch_size: int = 16  # generation batch
+    instruction: str | None = DEFAULT_INSTRUCTION
+
+
+@dataclass
+class SequenceSet:
+    """Token ids of prompt + greedy answer per sequence, and where each answer starts."""
+
+    ids: list[torch.Tensor]  # int64 [L_i]
+    prompt_lens: list[int]
+    keys: list[str]  # Prompt.id of each sequence
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def answer_ids(self) -> Iterator[torch.Tensor]:
+        for ids, start in zip(self.ids, self.prompt_lens):
+            yield ids[start:]
+
+    def num_answer_tokens(self) -> int:
+        return sum(len(ids) - start for ids, start in zip(self.ids, self.prompt_lens))
+
+    def subset(self, indices: list[int]) -> SequenceSet:
+        return SequenceSet(
+            [self.ids[i] for i in indices],
+            [self.prompt_lens[i] for i in indices],
+            [self.keys[i] for i in indices],
+            dict(self.meta),
+        )
+
+    def split_indices(self, eval_count: int, seed: int) -> tuple[list[int], list[int]]:
+        """(train, held-out) indices: a seeded choice of `eval_count` sequences is held out (at
+        least one sequence always stays for training)."""
+        eval_count = max(0, min(eval_count, len(self) - 1))
+        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed)).tolist()
+        return sorted(order[eval_count:]), sorted(order[:eval_count])
+
+
+def fingerprint(payload: dict[str, Any]) -> str:
+    """Short stable hash of a JSON-able dict (cache file names)."""
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def target_identity(target_path: Path) -> dict[str, Any]:
+    """What identifies a target checkpoint for caching: its config and the size of its weights."""
+    weights = sorted(target_path.glob("*.safetensors")) or sorted(target_path.glob("*.bin"))
+    return {
+        "name": target_path.name,
+        "config": fingerprint(json.loads((target_path / "config.json").read_text())),
+        "weights": [(w.name, w.stat().st_size) for w in weights],
+    }
+
+
+def atomic_save(obj: Any, path: Path) -> None:
+    """torch.save through a temporary file, so an interrupted write never leaves a torn cache."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, instruction: str | None) -> list[int]:
+    """The chat-templated prompt with the generation prompt appended, as ids."""
+    text = tokenizer.apply_chat_template(format_chat(prompt, instruction), add_generation_prompt=True, tokenize=False)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    configured = model.generation_config.eos_token_id
+    if configured is None:
+        configured = tokenizer.eos_token_id
+    ids = configured if isinstance(configured, list) else [configured]
+    return [int(i) for i in ids if i is not None]
+
+
+@torch.no_grad()
+def greedy_answers(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    pad_id: int,
+    eos_ids: list[int],
+) -> list[list[int]]:
+    """Greedy answers to a batch of prompt id lists (left padded), each cut after its first EOS."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, width - len(ids) :] = torch.tensor(ids)
+        attention[row, width - len(ids) :] = 1
+    out = model.generate(
+        input_ids=input_ids,
+        attention_mask=attention,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        num_beams=1,
+        pad_token_id=pad_id,
+        eos_token_id=eos_ids,
+    )
+    answers = []
+    for row in out[:, width:].tolist():
+        cut = next((i + 1 for i, tok in enumerate(row) if tok in eos_ids), len(row))
+        answers.append(row[:cut])
+    return answers
+
+
+def build_sequence_set(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    target_path: Path,
+    cfg: DataConfig,
+    cache_dir: Path,
+    progress: bool = True,
+) -> SequenceSet:
+    """Generate (or load from cache / resume) the training set; see the module docstring."""
+    meta = {"format": DATA_FORMAT, "target": target_identity(target_path), **asdict(cfg)}
+    meta.pop("batch_size")  # does not change the greedy answers' meaning
+    cache_file = cache_dir / f"{target_path.name}-seqs-{fingerprint(meta)}.pt"
+
+    done: dict[str, tuple[torch.Tensor, int]] = {}
+    if cache_file.is_file():
+        saved = torch.load(cache_file, map_location="cpu", weights_only=True)
+        done = {k: (ids, int(n)) for k, ids, n in zip(saved["keys"], saved["ids"], saved["prompt_lens"])}
+        logger.info("loaded %d cached sequences from %s", len(done), cache_file)
+
+    prompts = load_prompts(cfg.source, min(cfg.num_prompts, len(load_prompts(cfg.source))), seed=cfg.seed)
+    encoded: list[tuple[str, list[int]]] = []
+    for prompt in prompts:
+        ids = prompt_token_ids(tokenizer, prompt, cfg.instruction)
+        if len(ids) > cfg.max_prompt_tokens:
+            logger.warning(
+                "skipping prompt %s: %d tokens > max_prompt_tokens %d", prompt.id, len(ids), cfg.max_prompt_tokens
+            )
+            continue
+        encoded.append((prompt.id, ids))
+
+    todo = sorted((item for item in encoded if item[0] not in done), key=lambda item: len(item[1]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
+    eos_ids = eos_token_ids(model, tokenizer)
+    model.eval()
+    bar = tqdm(
+        total=len(encoded), initial=len(encoded) - len(todo), desc="generating", unit="prompt", disable=not progress
+    )
+    for start in range(0, len(todo), cfg.batch_size):
+        chunk = todo[start : start + cfg.batch_size]
+        answers = greedy_answers(model, [ids for _, ids in chunk], cfg.max_new_tokens, pad_id, eos_ids)
+        for (key, ids), answer in zip(chunk, answers):
+            done[key] = (torch.tensor(ids + answer, dtype=torch.long), len(ids))
+        keys = [k for k, _ in encoded if k in done]
+        atomic_save(
+            {"meta": meta, "keys": keys, "ids": [done[k][0] for k in keys], "prompt_lens": [done[k][1] for k in keys]},
+            cache_file,
+        )
+        bar.update(len(chunk))
+    bar.close()
+
+    keys = [k for k, _ in encoded]
+    return SequenceSet([done[k][0] for k in keys], [done[k][1] for k in keys], keys, {**meta, "cache": str(cache_file)})

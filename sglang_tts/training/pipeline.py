@@ -1,0 +1,223 @@
+"""End to end: target -> generated set -> target features -> EAGLE-3 / DFlash drafters on disk.
+
+Output folders (config.json + model.safetensors, what SGLang's ``--speculative-draft-model-path``
+and ``sglang_tts.drafters.load_drafter`` take) default to
+``cache_root() / "drafters" / f"{target}-{kind}-{tag}"``. Each also holds ``train/``: the
+resumable training state (``state.pt``), the metric log (``metrics.jsonl``) and ``summary.json``
+(held-out metrics before and after training, timings, the full configuration). SGLang ignores the
+subfolder. Generated sets and features are cached under ``cache_root() / "drafters" / "data"``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sglang_tts.assets import cache_root, prepare_default_model
+from sglang_tts.training.data import DataConfig, build_sequence_set
+from sglang_tts.training.dflash import (
+    DFlashObjective,
+    DFlashTrainConfig,
+    build_dflash,
+    evaluate_dflash,
+    pick_mask_token_id,
+)
+from sglang_tts.training.eagle3 import (
+    Eagle3Objective,
+    Eagle3TrainConfig,
+    build_eagle3,
+    evaluate_eagle3,
+    frequency_draft_vocab,
+)
+from sglang_tts.training.loop import LoopConfig, OptimConfig, train_loop, training_state_step
+from sglang_tts.training.target import compute_features, load_target
+from sglang_tts.training.weights import write_drafter
+
+logger = logging.getLogger(__name__)
+
+KINDS = ("eagle3", "dflash")
+TRAIN_SUBDIR = "train"
+
+
+@dataclass
+class TrainRequest:
+    """Everything one `train_drafters` run needs; CLI flags map onto these fields."""
+
+    target: Path | None = None  # None: the prepared default model (SmolLM2-135M-Instruct)
+    kinds: tuple[str, ...] = KINDS
+    out: Path | None = None  # one kind: its folder; several: the parent of the default-named folders
+    tag: str | None = None  # None: f"len{max_new_tokens}"
+    data: DataConfig = field(default_factory=DataConfig)
+    eval_sequences: int = 16  # held out of training, for the reported metrics
+    epochs: float = 3.0
+    steps: int | None = None  # overrides epochs
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eagle3: Eagle3TrainConfig = field(default_factory=Eagle3TrainConfig)
+    dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
+    seed: int = 0
+    resume: bool = False
+    save_every: int = 200
+    log_every: int = 10
+    time_budget_s: float | None = None  # per kind
+    stop_after: int | None = None  # per kind: stop (saving a resumable state) after this step
+    cache_dir: Path | None = None  # generated sets and features; None: cache_root()/drafters/data
+    progress: bool = True
+
+
+def tiny_request(**overrides: Any) -> TrainRequest:
+    """A configuration that trains both drafters end to end in well under a few minutes on 2 cores
+    (few prompts, short answers, few steps, small vocabulary and blocks): for tests and smoke runs."""
+    request = TrainRequest(
+        tag="tiny",
+        data=DataConfig(num_prompts=8, max_new_tokens=32, batch_size=8),
+        eval_sequences=2,
+        steps=30,
+        optim=OptimConfig(lr=1e-3, warmup_ratio=0.1),
+        eagle3=Eagle3TrainConfig(draft_vocab_size=512, ttt_steps=4, batch_size=2),
+        dflash=DFlashTrainConfig(block_size=4, num_layers=1, num_anchors=8, batch_size=2),
+        save_every=10,
+        log_every=5,
+    )
+    return replace(request, **overrides)
+
+
+@dataclass
+class KindResult:
+    kind: str
+    path: Path
+    start_step: int
+    step: int
+    finished: bool
+    history: list[dict[str, float]]
+    eval_before: dict[str, Any] | None
+    eval_after: dict[str, Any]
+    seconds: float
+
+
+def default_out(target_name: str, kind: str, tag: str) -> Path:
+    return cache_root() / "drafters" / f"{target_name}-{kind}-{tag}"
+
+
+def output_dir(request: TrainRequest, target_name: str, kind: str) -> Path:
+    tag = request.tag or f"len{request.data.max_new_tokens}"
+    if request.out is None:
+        return default_out(target_name, kind, tag)
+    if len(request.kinds) == 1:
+        return Path(request.out)
+    return Path(request.out) / f"{target_name}-{kind}-{tag}"
+
+
+def num_steps(request: TrainRequest, num_sequences: int, batch_size: int) -> int:
+    if request.steps is not None:
+        return int(request.steps)
+    return max(1, math.ceil(request.epochs * num_sequences / batch_size))
+
+
+def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
+    """Build the data (cached), then train, evaluate and write each requested drafter kind."""
+    unknown = set(request.kinds) - set(KINDS)
+    if unknown or not request.kinds:
+        raise ValueError(f"kinds must be among {KINDS}, got {request.kinds}")
+    torch.manual_seed(request.seed)
+    target_path = Path(request.target) if request.target is not None else prepare_default_model()
+    data_dir = Path(request.cache_dir) if request.cache_dir is not None else cache_root() / "drafters" / "data"
+    timings: dict[str, float] = {}
+
+    began = time.monotonic()
+    model, tokenizer, target = load_target(target_path)
+    sequences = build_sequence_set(model, tokenizer, target_path, request.data, data_dir, request.progress)
+    timings["generation_s"] = time.monotonic() - began
+    train_idx, held_idx = sequences.split_indices(request.eval_sequences, request.seed)
+    train_set, held_set = sequences.subset(train_idx), sequences.subset(held_idx)
+    logger.info(
+        "training set: %d sequences (%d answer tokens), held out: %d",
+        len(train_set),
+        train_set.num_answer_tokens(),
+        len(held_set),
+    )
+
+    drafters: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
+    if "eagle3" in request.kinds:
+        used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
+        drafters["eagle3"] = build_eagle3(target, request.eagle3, used, request.seed)
+    if "dflash" in request.kinds:
+        mask_id = request.dflash.mask_token_id
+        if mask_id is None:
+            mask_id = pick_mask_token_id(tokenizer, sequences, target.vocab_size)
+        drafters["dflash"] = build_dflash(target, request.dflash, mask_id, request.seed)
+    layer_ids = sorted(
+        {
+            i
+            for d, _ in drafters.values()
+            for i in (d.cfg.aux_layer_ids if d.kind == "eagle3" else d.cfg.target_layer_ids)
+        }
+    )
+
+    began = time.monotonic()
+    features = compute_features(model, target_path, sequences, layer_ids, data_dir, request.progress)
+    timings["features_s"] = time.monotonic() - began
+    del model  # only its (borrowed) embedding / LM head / norm tensors are needed from here on
+    train_feats, held_feats = features.subset(train_idx), features.subset(held_idx)
+
+    results: dict[str, KindResult] = {}
+    for kind, (drafter, config) in drafters.items():
+        out = output_dir(request, target_path.name, kind)
+        state_dir = out / TRAIN_SUBDIR
+        if kind == "eagle3":
+            cfg = request.eagle3
+            objective = Eagle3Objective(drafter, cfg, train_set, train_feats, target, request.seed)
+            evaluate = lambda obj=objective: evaluate_eagle3(obj, held_set, held_feats)
+        else:
+            cfg = request.dflash
+            objective = DFlashObjective(drafter, cfg, train_set, train_feats, request.seed)
+            evaluate = lambda obj=objective: evaluate_dflash(obj, held_set, held_feats)
+        steps = num_steps(request, len(train_set), cfg.batch_size)
+        resuming = request.resume and training_state_step(state_dir) is not None
+        eval_before = evaluate() if held_set.ids and not resuming else None
+
+        began = time.monotonic()
+        loop = LoopConfig(
+            steps=steps,
+            save_every=request.save_every,
+            log_every=request.log_every,
+            time_budget_s=request.time_budget_s,
+            stop_after=request.stop_after,
+            progress=request.progress,
+        )
+        result = train_loop(
+            drafter,
+            objective,
+            request.optim,
+            loop,
+            state_dir,
+            lambda step, d=drafter, c=config, o=out: write_drafter(o, d, c),
+            resume=request.resume,
+            desc=f"{kind}",
+        )
+        seconds = time.monotonic() - began
+        eval_after = evaluate() if held_set.ids else {}
+        results[kind] = KindResult(
+            kind, out, result.start_step, result.step, result.finished, result.history, eval_before, eval_after, seconds
+        )
+        summary = {
+            "kind": kind,
+            "target": str(target_path),
+            "checkpoint": str(out),
+            "steps": {"planned": steps, "done": result.step, "resumed_from": result.start_step},
+            "eval_before": eval_before,
+            "eval_after": eval_after,
+            "last_train_record": result.history[-1] if result.history else None,
+            "timings_s": {**timings, "training_s": seconds},
+            "data": {**sequences.meta, "train_sequences": len(train_set), "held_out": len(held_set)},
+            "request": {k: v for k, v in asdict(request).items() if k not in ("data",)},
+        }
+        (state_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        logger.info("%s drafter written to %s (eval after: %s)", kind, out, eval_after)
+    return results

@@ -1,0 +1,207 @@
+"""The target model side of drafter training: loading it, and its hidden states on the training set.
+
+Layer ids are *output-of-layer* ids, the convention of the drafter configs
+(``eagle_aux_hidden_state_layer_ids``, ``dflash_config.target_layer_ids``): id i is the output of
+decoder layer i, which is what SGLang captures as the input of layer i + 1, and what transformers
+returns as ``hidden_states[i + 1]`` with ``output_hidden_states=True`` (id -1: the embeddings).
+
+Why cache rather than recompute in the training loop: on a 2-core CPU one target forward over a
+~350-token sequence costs about as much as a whole drafter training step, and training runs
+several epochs over a few hundred sequences, so the features are computed once and stored with
+``torch.save``: per token the requested layers plus the final (normed) hidden state, from which
+the teacher logits are recomputed on the fly through the target's LM head (storing logits would
+cost V floats per token), plus the target's top-1 id. The cache is keyed by target, sequence set
+and layer ids, written incrementally, and resumes like the sequence set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from tqdm.auto import tqdm
+
+from sglang_tts.training.data import SequenceSet, atomic_save, fingerprint, target_identity
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetWeights:
+    """The target tensors the drafters borrow or start from (all frozen, fp32)."""
+
+    path: Path
+    config: dict[str, Any]
+    embedding: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [V, H] (the embedding when tied)
+    final_norm: torch.Tensor  # [H] weight of the target's last RMSNorm
+
+    @property
+    def num_layers(self) -> int:
+        return int(self.config["num_hidden_layers"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config["vocab_size"])
+
+
+def load_target(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, TargetWeights]:
+    """The target as a transformers causal LM (fp32, eval mode), its tokenizer, and its weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer, target_weights(model, path)
+
+
+def target_weights(model: PreTrainedModel, path: Path) -> TargetWeights:
+    hidden = int(model.config.hidden_size)
+    norm = getattr(getattr(model, "model", None), "norm", None)
+    final_norm = norm.weight.detach().clone() if norm is not None else torch.ones(hidden)
+    return TargetWeights(
+        path=path,
+        config=json.loads((path / "config.json").read_text()),
+        embedding=model.get_input_embeddings().weight.detach(),
+        lm_head=model.get_output_embeddings().weight.detach(),
+        final_norm=final_norm,
+    )
+
+
+@dataclass
+class TargetFeatures:
+    """Per sequence: hidden [L, K, H] of `layer_ids` (in that order), final [L, H] (post-norm, the
+    LM head's input) and top1 [L] (the target's argmax after each token)."""
+
+    layer_ids: list[int]
+    hidden: list[torch.Tensor]
+    final: list[torch.Tensor]
+    top1: list[torch.Tensor]
+
+    def subset(self, indices: list[int]) -> TargetFeatures:
+        return TargetFeatures(
+            self.layer_ids,
+            [self.hidden[i] for i in indices],
+            [self.final[i] for i in indices],
+            [self.top1[i] for i in indices],
+        )
+
+    def layers(self, wanted: list[int]) -> list[int]:
+        """Indices into the K axis for `wanted` layer ids."""
+        missing = [i for i in wanted if i not in self.layer_ids]
+        if missing:
+            raise ValueError(f"layers {missing} were not captured (have {self.layer_ids})")
+        return [self.layer_ids.index(i) for i in wanted]
+
+
+@torch.no_grad()
+def sequence_features(model: PreTrainedModel, ids: torch.Tensor, layer_ids: list[int]) -> dict[str, torch.Tensor]:
+    """One full-sequence forward: the captured layers, the final hidden state and the top-1 ids."""
+    out = model(input_ids=ids[None], output_hidden_states=True)
+    states = out.hidden_states
+    return {
+        "hidden": torch.stack([states[i + 1][0] for i in layer_ids], dim=1).contiguous(),
+        "final": states[-1][0].contiguous(),
+        "top1": out.logits[0].argmax(-1),
+    }
+
+
+def compute_features(
+    model: PreTrainedModel,
+    target_path: Path,
+    sequences: SequenceSet,
+    layer_ids: list[int],
+    cache_dir: Path,
+    progress: bool = True,
+    save_every: int = 32,
+) -> TargetFeatures:
+    """Target features of every sequence (cached, resumable; see the module docstring)."""
+    layer_ids = sorted(set(layer_ids))
+    n_layers = int(model.config.num_hidden_layers)
+    bad = [i for i in layer_ids if not -1 <= i <= n_layers - 2]
+    if bad:
+        raise ValueError(
+            f"layer ids {bad} are not capturable on a {n_layers}-layer target (range [-1, {n_layers - 2}])"
+        )
+    meta = {
+        "target": target_identity(target_path),
+        "sequences": fingerprint({"keys": sequences.keys, "ids": [ids.tolist() for ids in sequences.ids]}),
+        "layer_ids": layer_ids,
+    }
+    cache_file = cache_dir / f"{target_path.name}-feats-{fingerprint(meta)}.pt"
+    saved: dict[str, list[torch.Tensor]] = {"hidden": [], "final": [], "top1": []}
+    if cache_file.is_file():
+        saved = torch.load(cache_file, map_location="cpu", weights_only=True)["features"]
+        logger.info("loaded features of %d sequences from %s", len(saved["top1"]), cache_file)
+
+    model.eval()
+    start = len(saved["top1"])
+    bar = tqdm(total=len(sequences), initial=start, desc="target features", unit="seq", disable=not progress)
+    for index in range(start, len(sequences)):
+        feats = sequence_features(model, sequences.ids[index], layer_ids)
+        for key in saved:
+            saved[key].append(feats[key])
+        bar.update(1)
+        if (index + 1) % save_every == 0 or index + 1 == len(sequences):
+            atomic_save({"meta": meta, "features": saved}, cache_file)
+    bar.close()
+    return TargetFeatures(layer_ids, saved["hidden"], saved["final"], saved["top1"])
+
+
+@dataclass
+class Batch:
+    """Right-padded sequences and their target features."""
+
+    ids: torch.Tensor  # [B, L] int64, 0 where padded
+    real: torch.Tensor  # [B, L] bool: a real token
+    answer: torch.Tensor  # [B, L] bool: a token of the greedy answer (what drafters learn to predict)
+    hidden: torch.Tensor  # [B, L, K, H] captured layers (TargetFeatures.layer_ids order)
+    final: torch.Tensor  # [B, L, H]
+    top1: torch.Tensor  # [B, L] int64
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        return self.real.sum(1)
+
+
+def collate(sequences: SequenceSet, features: TargetFeatures, indices: list[int]) -> Batch:
+    """Batch the given sequences, right padded to the longest."""
+    width = max(len(sequences.ids[i]) for i in indices)
+    b = len(indices)
+    k, h = features.hidden[indices[0]].shape[1:]
+    batch = Batch(
+        ids=torch.zeros(b, width, dtype=torch.long),
+        real=torch.zeros(b, width, dtype=torch.bool),
+        answer=torch.zeros(b, width, dtype=torch.bool),
+        hidden=torch.zeros(b, width, k, h),
+        final=torch.zeros(b, width, h),
+        top1=torch.zeros(b, width, dtype=torch.long),
+    )
+    for row, i in enumerate(indices):
+        n = len(sequences.ids[i])
+        batch.ids[row, :n] = sequences.ids[i]
+        batch.real[row, :n] = True
+        batch.answer[row, sequences.prompt_lens[i] : n] = True
+        batch.hidden[row, :n] = features.hidden[i]
+        batch.final[row, :n] = features.final[i]
+        batch.top1[row, :n] = features.top1[i]
+    return batch
+
+
+def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list[int]:
+    """The items of training step `step`: consecutive slices of per-epoch seeded permutations, so
+    any step's batch is known without replaying the earlier ones (exact resume)."""
+    if num_items <= 0:
+        raise ValueError("no training sequences")
+    out = []
+    for flat in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(flat, num_items)
+        perm = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+        out.append(int(perm[offset]))
+    return out

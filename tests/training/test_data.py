@@ -1,0 +1,76 @@
+"""The generated training set: greedy answers, lengths, caching and resume."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from sglang_tts.testing.reference import hf_greedy
+from sglang_tts.training import data as data_module
+from sglang_tts.training.data import build_sequence_set, prompt_token_ids
+
+
+def test_sequences_are_prompt_plus_greedy_answer(sequences, tiny_target, data_config):
+    from sglang_tts.data.prompts import load_prompts
+
+    assert len(sequences) == data_config.num_prompts
+    prompts = {p.id: p for p in load_prompts(data_config.source)}
+    eos = tiny_target.tokenizer.eos_token_id
+    for ids, start, key in zip(sequences.ids, sequences.prompt_lens, sequences.keys):
+        prompt = prompt_token_ids(tiny_target.tokenizer, prompts[key], data_config.instruction)
+        assert ids[:start].tolist() == prompt
+        answer = ids[start:].tolist()
+        assert 1 <= len(answer) <= data_config.max_new_tokens
+        assert eos not in answer[:-1]  # cut right after the first EOS
+        if len(answer) < data_config.max_new_tokens:
+            assert answer[-1] == eos
+    # Batched, left-padded greedy decoding gives the target's own unbatched greedy answers.
+    for ids, start in zip(sequences.ids, sequences.prompt_lens):
+        assert ids[start:].tolist() == hf_greedy(str(tiny_target.path), ids[:start].tolist(), len(ids) - start)
+
+
+def test_cached_set_is_reused_and_partial_sets_resume(sequences, tiny_target, data_config, data_cache, monkeypatch):
+    cache_file = next(data_cache.glob("*-seqs-*.pt"))
+    calls: list[int] = []
+    real = data_module.greedy_answers
+
+    def counting(model, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(data_module, "greedy_answers", counting)
+    again = build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, data_config, data_cache, False
+    )
+    assert calls == []  # everything came from the cache
+    assert [t.tolist() for t in again.ids] == [t.tolist() for t in sequences.ids]
+
+    # An interrupted build: only 3 sequences made it to disk; the rerun generates the other 5.
+    saved = torch.load(cache_file, weights_only=True)
+    try:
+        torch.save(
+            {**saved, "keys": saved["keys"][:3], "ids": saved["ids"][:3], "prompt_lens": saved["prompt_lens"][:3]},
+            cache_file,
+        )
+        resumed = build_sequence_set(
+            tiny_target.model, tiny_target.tokenizer, tiny_target.path, data_config, data_cache, False
+        )
+    finally:
+        torch.save(saved, cache_file)
+    assert sum(calls) == len(sequences) - 3
+    assert [t.tolist() for t in resumed.ids] == [t.tolist() for t in sequences.ids]
+
+
+def test_other_settings_get_their_own_cache(tiny_target, data_config, tmp_path):
+    short = replace(data_config, num_prompts=2, max_new_tokens=5)
+    got = build_sequence_set(tiny_target.model, tiny_target.tokenizer, tiny_target.path, short, tmp_path, False)
+    assert len(got) == 2 and all(len(i) - s <= 5 for i, s in zip(got.ids, got.prompt_lens))
+    assert len(list(tmp_path.glob("*-seqs-*.pt"))) == 1
+
+
+def test_split_is_seeded_and_disjoint(sequences):
+    train, held = sequences.split_indices(3, seed=0)
+    assert sorted(train + held) == list(range(len(sequences))) and len(held) == 3
+    assert sequences.split_indices(3, seed=0) == (train, held)
+    assert sequences.split_indices(100, seed=0)[0]  # at least one sequence stays for training

@@ -1,0 +1,50 @@
+"""Target features: layer-id convention, final hidden state, caching, batching."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_tts.training.target import batch_indices, collate, compute_features
+
+
+def test_features_follow_the_output_of_layer_convention(tiny_target, sequences, features):
+    model = tiny_target.model
+    ids = sequences.ids[0]
+    with torch.no_grad():
+        out = model(input_ids=ids[None], output_hidden_states=True)
+    # id -1 is the embedding output, id i the output of decoder layer i.
+    assert torch.equal(features.hidden[0][:, features.layers([-1])[0]], model.get_input_embeddings()(ids))
+    for layer in (0, 1, 2):
+        assert torch.allclose(features.hidden[0][:, features.layers([layer])[0]], out.hidden_states[layer + 1][0])
+    # The final hidden state is the LM head's input: the teacher logits can be recomputed from it.
+    logits = features.final[0] @ tiny_target.weights.lm_head.T
+    assert torch.allclose(logits, out.logits[0], atol=1e-4)
+    assert torch.equal(features.top1[0], out.logits[0].argmax(-1))
+
+
+def test_feature_cache_is_reused(tiny_target, sequences, features, data_cache, monkeypatch):
+    from sglang_tts.training import target as target_module
+
+    monkeypatch.setattr(target_module, "sequence_features", lambda *a, **k: (_ for _ in ()).throw(AssertionError))
+    again = compute_features(tiny_target.model, tiny_target.path, sequences, [2, 1, 0, -1], data_cache, False)
+    assert again.layer_ids == features.layer_ids
+    assert all(torch.equal(a, b) for a, b in zip(again.hidden, features.hidden))
+
+
+def test_collate_pads_and_marks_answers(sequences, features):
+    batch = collate(sequences, features, [0, 1, 2])
+    lengths = [len(sequences.ids[i]) for i in range(3)]
+    assert batch.ids.shape == (3, max(lengths))
+    assert batch.real.sum(1).tolist() == lengths
+    for row in range(3):
+        start = sequences.prompt_lens[row]
+        assert batch.answer[row].nonzero().flatten().tolist() == list(range(start, lengths[row]))
+        assert torch.equal(batch.hidden[row, : lengths[row]], features.hidden[row])
+
+
+def test_batch_indices_cover_each_epoch_once():
+    n, size = 7, 3
+    seen = [i for step in range(7) for i in batch_indices(n, size, step, seed=1)]  # 3 epochs
+    for epoch in range(3):
+        assert sorted(seen[epoch * n : (epoch + 1) * n]) == list(range(n))
+    assert batch_indices(n, size, 5, seed=1) == batch_indices(n, size, 5, seed=1)
