@@ -3,9 +3,9 @@
     .venv/bin/python scripts/demo.py [--max-tokens 256] [--drafter PATH] [--keep-server]
 
 1. prepares SmolLM2-135M-Instruct (scripts/prepare_model.py; cached after the first run);
-2. takes the EAGLE-3 drafter given with --drafter, or else writes an UNTRAINED random one into the
-   cache (no trained drafter for SmolLM2 ships yet: acceptance then starts near 1 and TTS adapts
-   it during the request);
+2. takes the EAGLE-3 drafter given with --drafter, else the newest one scripts/train_drafter.py
+   trained for the model, else writes an UNTRAINED random one into the cache (acceptance then
+   starts near 1 and TTS adapts it during the request);
 3. launches `python -m sglang.launch_server ... --speculative-algorithm TTS` (the sglang_tts plugin
    loads through SGLang's entry point) and waits for health;
 4. sends one request through the OpenAI client and prints the answer and TTS's counters;
@@ -27,8 +27,23 @@ from sglang_tts.testing.server import start_server, stop_server
 QUESTION = "Explain, step by step, why the sum of two odd numbers is always even."
 
 
+def trained_drafter(model_dir: Path) -> Path | None:
+    """The newest EAGLE-3 drafter scripts/train_drafter.py wrote for this model, if any."""
+    found = [
+        d
+        for d in (cache_root() / "drafters").glob(f"{model_dir.name}-eagle3-len*")
+        if (d / "config.json").exists() and (d / "model.safetensors").exists()
+    ]
+    return max(found, key=lambda d: (d / "model.safetensors").stat().st_mtime) if found else None
+
+
 def default_drafter(model_dir: Path) -> Path:
-    out = cache_root() / "drafters" / f"{model_dir.name}-eagle3-untrained-v2"
+    trained = trained_drafter(model_dir)
+    if trained is not None:
+        print(f"[demo] using the trained EAGLE-3 drafter {trained}", file=sys.stderr)
+        return trained
+    # Not named <model>-eagle3-len*: the benchmarks' drafter lookup must never pick it.
+    out = cache_root() / "drafters" / f"untrained-{model_dir.name}-eagle3-v2"
     if not (out / "config.json").exists():
         print(f"[demo] writing an untrained EAGLE-3 drafter to {out}", file=sys.stderr)
         target_config = json.loads((model_dir / "config.json").read_text())
