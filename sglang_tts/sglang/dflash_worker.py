@@ -101,15 +101,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
         self._captured_hidden: torch.Tensor | None = None
         self._need_verify_logits = False
         self._published_version = self.tts.distiller.weight_version
-        logger.info(
-            "sglang-tts: TTS on DFlash (block %d, stride %d, lr %g, scope %s, %s, %d trainable tensors)",
-            self.block_size,
-            config.update_stride,
-            config.lr,
-            config.scope,
-            "frozen" if config.freeze else ("sync" if config.sync else "async"),
-            len(self.tts.distiller.train_params),
-        )
+        logger.info("sglang-tts: TTS on DFlash (block %d, %s)", self.block_size, self.tts.describe())
 
     # --- SGLang entry points --------------------------------------------------------------------
 

@@ -52,14 +52,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             m.attn for m in draft_model.modules() if hasattr(m, "attn") and hasattr(m.attn, "layer_id")
         ]
         self.tts_controller = self._install_controller(config) if config.controller is not None else None
-        logger.info(
-            "sglang-tts: TTS on EAGLE-3 (stride %d, lr %g, scope %s, %s, %d trainable tensors)",
-            config.update_stride,
-            config.lr,
-            config.scope,
-            "frozen" if config.freeze else ("sync" if config.sync else "async"),
-            len(self.tts.distiller.train_params),
-        )
+        logger.info("sglang-tts: TTS on EAGLE-3 (%s)", self.tts.describe())
 
     # --- SGLang entry points --------------------------------------------------------------------
 

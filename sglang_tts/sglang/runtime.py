@@ -85,6 +85,16 @@ class TTSRuntime:
         self.slots = SlotTable(config.max_adapted_requests) if serving_adapters is not None else None
         self._digest: tuple[int, str] | None = None  # (weight version, digest) of the shared weights
 
+    def describe(self) -> str:
+        """One line for the worker's start-up log."""
+        cfg = self.config
+        mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else "async")
+        adapters = f", r {cfg.adapter_rank}, {cfg.max_adapted_requests} slots" if self.slots is not None else ""
+        return (
+            f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}, "
+            f"{len(self.distiller.train_params)} trainable tensors"
+        )
+
     # --- per round --------------------------------------------------------------------------
 
     def before_draft(self, live_request_ids: list[str]) -> None:
