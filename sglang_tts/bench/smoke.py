@@ -10,15 +10,12 @@ Nothing is downloaded; the models are written once into a cache folder (about 15
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import shutil
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_tts.assets import cache_root
+from sglang_tts.assets import cache_root, file_lock
 from sglang_tts.data.prompts import Prompt
 
 # Version of what this module writes: bump it when the models change, so stale caches are rebuilt.
@@ -49,18 +46,6 @@ def default_dir() -> Path:
     return cache_root() / "bench_smoke" / f"v{SMOKE_FORMAT}"
 
 
-@contextlib.contextmanager
-def _locked(path: Path) -> Iterator[None]:
-    """An exclusive lock on ``path``: two smoke runs never write the same folder at once."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def prepare_smoke_models(out_dir: Path | None = None) -> SmokeModels:
     """Write (or reuse) the loopy target and its random EAGLE-3 and DFlash drafters."""
     from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
@@ -68,7 +53,7 @@ def prepare_smoke_models(out_dir: Path | None = None) -> SmokeModels:
 
     out = Path(out_dir) if out_dir is not None else default_dir()
     models = SmokeModels(out / "loopy-llama", {"eagle3": out / "loopy-eagle3", "dflash": out / "loopy-dflash"})
-    with _locked(out.parent / f".{out.name}.lock"):
+    with file_lock(out.parent / f".{out.name}.lock"):
         if (out / READY).is_file():
             return models
         shutil.rmtree(out, ignore_errors=True)  # no marker: an interrupted attempt, start over

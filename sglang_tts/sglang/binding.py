@@ -33,6 +33,22 @@ def bind_draft_publisher(drafter, draft_model) -> WeightPublisher:
     return WeightPublisher.from_name_map(serving, trained, name_map)
 
 
+def draft_kv_reader(req_to_token, pool, draft_layers, pool_indices: list[int], ends: list[int]):
+    """read(r): the drafter K/V SGLang materialised in its draft KV pool for positions [0, ends[r])
+    of batch row r, per draft layer as (k, v) [H_kv, L, D] (detached views of the pool)."""
+
+    def read(r: int):
+        slots = req_to_token[pool_indices[r], : ends[r]].long()
+        layers = []
+        for attn in draft_layers:
+            k = pool.get_key_buffer(attn.layer_id)[slots]
+            v = pool.get_value_buffer(attn.layer_id)[slots]
+            layers.append((k.transpose(0, 1), v.transpose(0, 1)))
+        return layers
+
+    return read
+
+
 def make_runtime(drafter, config, draft_model, device, pool_size: int):
     """The TTSRuntime of a worker: full-parameter updates published into SGLang's draft model
     (scopes batch / global), or per-request adapters hooked into it (scope request)."""

@@ -27,7 +27,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
-from sglang_tts.sglang.binding import make_runtime, target_embedding
+from sglang_tts.sglang.binding import draft_kv_reader, make_runtime, target_embedding
 from sglang_tts.sglang.capture import build_canvas
 from sglang_tts.sglang.flags import tts_config_from_env
 
@@ -156,21 +156,13 @@ class TTSDFlashWorker(DFlashWorkerV2):
             self._published_version = version
 
     def _past_kv(self, batch, ends: list[int]):
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        pool = self.draft_model_runner.token_to_kv_pool
-        pool_indices = batch.req_pool_indices.tolist()
-
-        def read(r: int):
-            # Drafter K/V SGLang materialised for positions [0, ends[r]) of request r.
-            slots = req_to_token[pool_indices[r], : ends[r]].long()
-            layers = []
-            for attn in self._draft_layers:
-                k = pool.get_key_buffer(attn.layer_id)[slots]
-                v = pool.get_value_buffer(attn.layer_id)[slots]
-                layers.append((k.transpose(0, 1), v.transpose(0, 1)))
-            return layers
-
-        return read
+        return draft_kv_reader(
+            self.model_runner.req_to_token_pool.req_to_token,
+            self.draft_model_runner.token_to_kv_pool,
+            self._draft_layers,
+            batch.req_pool_indices.tolist(),
+            ends,
+        )
 
     def _after_verify(self, batch, rids, prefix_lens, result) -> None:
         block = int(self.block_size)

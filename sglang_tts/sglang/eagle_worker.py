@@ -24,7 +24,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
-from sglang_tts.sglang.binding import make_runtime, target_embedding
+from sglang_tts.sglang.binding import draft_kv_reader, make_runtime, target_embedding
 from sglang_tts.sglang.capture import build_canvas, path_rows
 from sglang_tts.sglang.flags import tts_config_from_env
 
@@ -153,21 +153,14 @@ class TTSEagleWorker(EAGLEWorkerV2):
             self.tts.remember_anchor(req.rid, hidden[row])
 
     def _past_kv(self, batch, seq_lens):
-        req_to_token = self.req_to_token_pool.req_to_token
-        pool = self.draft_worker.draft_runner.token_to_kv_pool
-        pool_indices = batch.req_pool_indices.tolist()
-
-        def read(r: int):
-            # Drafter K/V of every position before the anchor (index seq_len - 1 is recomputed).
-            slots = req_to_token[pool_indices[r], : max(seq_lens[r] - 1, 0)].long()
-            layers = []
-            for attn in self._draft_layers:
-                k = pool.get_key_buffer(attn.layer_id)[slots]
-                v = pool.get_value_buffer(attn.layer_id)[slots]
-                layers.append((k.transpose(0, 1), v.transpose(0, 1)))
-            return layers
-
-        return read
+        # Drafter K/V of every position before the anchor (index seq_len - 1 is recomputed).
+        return draft_kv_reader(
+            self.req_to_token_pool.req_to_token,
+            self.draft_worker.draft_runner.token_to_kv_pool,
+            self._draft_layers,
+            batch.req_pool_indices.tolist(),
+            [max(n - 1, 0) for n in seq_lens],
+        )
 
     def _after_verify(self, batch, verify_input, result, seq_lens) -> None:
         n = self.speculative_num_draft_tokens
