@@ -86,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         help="every prompt runs once per temperature, 0 = greedy (default: 0 0.7; smoke: 0)",
     )
+    data.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="requests in flight: each mode runs once per value; N > 1 sends waves of N requests (default 1)",
+    )
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--top-k", type=int, default=-1)
     data.add_argument("--ignore-eos", action="store_true", default=None, help="always generate --max-new-tokens")
@@ -137,7 +144,13 @@ def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig
         raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
     name = "no-spec" if spec.variant == "no-spec" else f"{kind}:{spec.base_name}"
     return BenchConfig(
-        name, spec.variant, kind, server_info.get("speculative_draft_model_path"), spec.stride, spec.sync
+        name,
+        spec.variant,
+        kind,
+        server_info.get("speculative_draft_model_path"),
+        spec.stride,
+        spec.sync,
+        scope=spec.scope,
     )
 
 
@@ -146,6 +159,9 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
     temperatures = tuple(args.temperature or ((0.0,) if args.smoke else DEFAULT_TEMPERATURES))
     if any(t < 0 for t in temperatures) or len(set(temperatures)) != len(temperatures):
         raise ConfigError(f"--temperature: distinct values >= 0 please, got {' '.join(map(str, temperatures))}")
+    concurrencies = tuple(args.concurrency)
+    if any(c < 1 for c in concurrencies) or len(set(concurrencies)) != len(concurrencies):
+        raise ConfigError(f"--concurrency: distinct values >= 1 please, got {' '.join(map(str, concurrencies))}")
     sampling = SamplingSettings(
         max_new_tokens=args.max_new_tokens or (smoke.MAX_NEW_TOKENS if args.smoke else 2048),
         temperature=temperatures[0],
@@ -207,6 +223,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "prompts": len(prompts),
             "max_new_tokens": sampling.max_new_tokens,
             "temperatures": ", ".join(f"{t:g}" for t in temperatures),
+            "concurrency": ", ".join(map(str, concurrencies)),
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "ignore_eos": sampling.ignore_eos,
@@ -220,6 +237,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         model=model,
         sampling=sampling,
         temperatures=temperatures,
+        concurrencies=concurrencies,
         api=args.api,
         warmup_tokens=warmup,
         request_timeout_s=args.request_timeout,

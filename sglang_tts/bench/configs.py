@@ -4,7 +4,10 @@ Names (``--configs``): ``no-spec`` (the plain target), ``stock`` (SGLang's own `
 algorithm with the same drafter: the throughput baseline without the plugin's worker), ``frozen`` (TTS
 with ``--tts-freeze``: the same code path as TTS with no updates, tested equal to stock EAGLE3/DFLASH in
 acceptance, and it reports per-round accept lengths, which stock servers do not), ``tts-s{S}``
-(``--tts-update-stride S``) and ``tts-s{S}-sync`` (``--tts-sync`` too). A speculative name applies to
+(``--tts-update-stride S``) and ``tts-s{S}-sync`` (``--tts-sync`` too). A TTS name may end in a scope:
+``-batch`` / ``-global`` (``--tts-scope``) or ``-request[-r{R}]`` (per-request adapters, ``--tts-scope request
+--tts-adapter-rank R``), e.g. ``tts-s5-request-r8``: the per-request adaptation comparison (issue 9) runs
+every scope on one server schedule. Without a suffix the server's default scope applies. A speculative name applies to
 every ``--drafter-kind``; ``KIND:NAME`` (e.g. ``eagle3:tts-s5``) to that kind only. Full names are
 ``no-spec`` and ``KIND:NAME``.
 """
@@ -34,7 +37,12 @@ EAGLE3_CHAIN_ARGS = (
     "4",
 )
 
-_NAME = re.compile(r"^(?:(?P<kind>[a-z0-9]+):)?(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?)$")
+_NAME = re.compile(
+    r"^(?:(?P<kind>[a-z0-9]+):)?"
+    r"(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
+    r"(?:-(?P<scope>batch|global|request)(?:-r(?P<rank>[0-9]+))?)?)$"
+)
+SCOPES = ("batch", "request", "global")
 
 
 class ConfigError(ValueError):
@@ -49,12 +57,19 @@ class ConfigSpec:
     kind: str | None = None
     stride: int | None = None
     sync: bool = False
+    scope: str | None = None  # --tts-scope; None: the server's default
+    adapter_rank: int | None = None  # --tts-adapter-rank (scope "request" only)
 
     @property
     def base_name(self) -> str:
         if self.variant != "tts":
             return self.variant
-        return f"tts-s{self.stride}" + ("-sync" if self.sync else "")
+        name = f"tts-s{self.stride}" + ("-sync" if self.sync else "")
+        if self.scope is not None:
+            name += f"-{self.scope}"
+        if self.adapter_rank is not None:
+            name += f"-r{self.adapter_rank}"
+        return name
 
 
 @dataclass(frozen=True)
@@ -68,6 +83,7 @@ class BenchConfig:
     stride: int | None = None
     sync: bool = False
     server_args: tuple[str, ...] = field(default_factory=tuple)
+    scope: str | None = None  # --tts-scope of a TTS configuration (None: the server's default)
 
     @property
     def base_name(self) -> str:
@@ -92,8 +108,9 @@ def parse_config_name(text: str) -> ConfigSpec:
     match = _NAME.match(text.strip())
     if match is None:
         raise ConfigError(
-            f"unknown configuration {text!r}: use no-spec, stock, frozen, tts-s<S> or tts-s<S>-sync, optionally "
-            f"prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5"
+            f"unknown configuration {text!r}: use no-spec, stock, frozen, tts-s<S> or tts-s<S>-sync, a TTS name "
+            f"optionally ending in a scope (-batch, -global, -request, -request-r<R>), any name but no-spec "
+            f"optionally prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5-request-r8"
         )
     kind = match["kind"]
     if kind is not None and kind not in KINDS:
@@ -108,7 +125,12 @@ def parse_config_name(text: str) -> ConfigSpec:
     stride = int(match["stride"])
     if stride < 1:
         raise ConfigError(f"{text!r}: the update stride must be >= 1")
-    return ConfigSpec("tts", kind, stride, bool(match["sync"]))
+    scope, rank = match["scope"], match["rank"]
+    if rank is not None and scope != "request":
+        raise ConfigError(f"{text!r}: an adapter rank (-r<R>) only goes with the request scope (-request-r<R>)")
+    if rank is not None and int(rank) < 1:
+        raise ConfigError(f"{text!r}: the adapter rank must be >= 1")
+    return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, None if rank is None else int(rank))
 
 
 def split_server_args(values: Iterable[str]) -> tuple[str, ...]:
@@ -131,6 +153,10 @@ def tts_server_args(spec: ConfigSpec, drafter: Path, kind: str, tts_lr: float | 
         args += ["--tts-lr", repr(tts_lr)]
     if spec.sync:
         args.append("--tts-sync")
+    if spec.scope is not None:
+        args += ["--tts-scope", spec.scope]
+    if spec.adapter_rank is not None:
+        args += ["--tts-adapter-rank", str(spec.adapter_rank)]
     return args
 
 
@@ -165,7 +191,7 @@ def build_configs(
             name = f"{kind}:{spec.base_name}"
             args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr), *extra)
             configs[name] = BenchConfig(
-                name, spec.variant, kind, str(drafters[kind]), spec.stride, spec.sync, tuple(args)
+                name, spec.variant, kind, str(drafters[kind]), spec.stride, spec.sync, tuple(args), spec.scope
             )
     if not configs:
         raise ConfigError("no configuration selected (check --configs and --drafter-kind)")

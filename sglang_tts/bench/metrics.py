@@ -12,7 +12,9 @@ temperature: :func:`aggregate_by_sampling`), never pooled across modes.
   prefill (position 0), so round 1 starts at position 1. A bucket ``[b, b + bucket)`` holds the
   rounds starting in it; "second half" / "last quarter" hold the rounds starting at or after 1/2 / 3/4
   of that request's own completion length.
-* throughput: completion tokens / client-side wall seconds, pooled (total tokens / total seconds).
+* throughput: completion tokens / client-side wall seconds, pooled (total tokens / total seconds). At
+  concurrency c > 1 (modes ``greedy-c4``...) a request's seconds are its wave's wall time / c, so the
+  pooled number is the server's output rate with c requests in flight.
 * update cost: ``tts_update_ms`` (time inside updates, overlapped with serving unless ``--tts-sync``);
   per update and as a fraction of wall time.
 * updates-free bound (sync configurations only): completion tokens / (wall - update time). With
@@ -30,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
-from sglang_tts.bench.runner import RequestRecord
+from sglang_tts.bench.runner import RequestRecord, parse_mode
 
 ALL = "all"  # the dataset label of the pooled-over-datasets rows
 GREEDY = "greedy"
@@ -136,7 +138,7 @@ def _sum_opt(values: Iterable[float | None]) -> float | None:
 def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: str, bucket: int) -> Summary:
     """Aggregate one configuration's records (already filtered to one dataset, or all of them)."""
     tokens = sum(r.completion_tokens for r in records)
-    wall = sum(r.wall_s for r in records)
+    wall = sum(r.share_wall_s for r in records)
     updates = _sum_opt(r.tts_num_updates for r in records)
     skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
     update_ms = _sum_opt(r.tts_update_ms for r in records)
@@ -281,15 +283,17 @@ def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], 
 
 
 def sampling_order(labels: Iterable[str]) -> list[str]:
-    """Sampling labels in report order: greedy first, then by temperature (``t0.7`` before ``t1``)."""
+    """Mode labels in report order: by concurrency (sequential first), then greedy, then by temperature
+    (``greedy``, ``t0.7``, ``t1``, ``greedy-c4``, ``t0.7-c4``)."""
 
-    def key(label: str) -> tuple[int, float, str]:
-        if label == GREEDY:
-            return (0, 0.0, label)
+    def key(label: str) -> tuple[int, int, float, str]:
+        base, concurrency = parse_mode(label)
+        if base == GREEDY:
+            return (concurrency, 0, 0.0, label)
         try:
-            return (1, float(label.lstrip("t")), label)
+            return (concurrency, 1, float(base.lstrip("t")), label)
         except ValueError:
-            return (2, 0.0, label)
+            return (concurrency, 2, 0.0, label)
 
     return sorted(set(labels), key=key)
 

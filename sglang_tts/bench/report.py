@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
 from sglang_tts.bench.metrics import ALL, GREEDY, Aggregates, Summary
+from sglang_tts.bench.runner import parse_mode
 
 # Plot file stems; each run writes ``<stem>_<sampling>.png`` (sampling: greedy, t0.7, ...).
 ACCEPTANCE_PLOT = "acceptance_by_position"
@@ -294,6 +295,61 @@ def losses(aggregates: Aggregates) -> list[str]:
     return out
 
 
+def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
+    """Per sampling mode run at several concurrencies: each configuration's acceptance (gain over the frozen
+    drafter of its kind, in tokens per round) and tokens/s (ratio to frozen) side by side per concurrency.
+    Empty when every mode ran at one concurrency only."""
+    groups: dict[str, dict[int, Aggregates]] = {}
+    for label, aggregates in by_sampling.items():
+        base, concurrency = parse_mode(label)
+        groups.setdefault(base, {})[concurrency] = aggregates
+    parts = []
+    for base, per_c in groups.items():
+        if len(per_c) < 2:
+            continue
+        concurrencies = sorted(per_c)
+        names = list(
+            dict.fromkeys(
+                s.config
+                for c in concurrencies
+                for s in per_c[c].summaries
+                if s.dataset == ALL and s.variant in ("frozen", "tts")
+            )
+        )
+        header = ["configuration"]
+        header += [f"c={c} accept (gain)" for c in concurrencies]
+        header += [f"c={c} tok/s (x frozen)" for c in concurrencies]
+        rows = []
+        for name in names:
+            accept_cells, speed_cells = [], []
+            for c in concurrencies:
+                mine = per_c[c].summary(name)
+                frozen = per_c[c].summary(f"{mine.kind}:frozen") if mine is not None else None
+                if mine is None:
+                    accept_cells.append("-")
+                    speed_cells.append("-")
+                    continue
+                gain = None
+                ratio = None
+                if frozen is not None and mine.variant == "tts":
+                    if mine.accept_mean is not None and frozen.accept_mean is not None:
+                        gain = mine.accept_mean - frozen.accept_mean
+                    if frozen.tokens_per_s > 0:
+                        ratio = mine.tokens_per_s / frozen.tokens_per_s
+                accept_cells.append(fmt(mine.accept_mean) + (f" ({fmt_signed(gain)})" if gain is not None else ""))
+                speed_cells.append(fmt(mine.tokens_per_s, 1) + (f" ({fmt(ratio)}x)" if ratio is not None else ""))
+            rows.append([name, *accept_cells, *speed_cells])
+        title = "greedy decoding" if base == GREEDY else f"temperature {base.lstrip('t')}"
+        parts.append(f"**{title}** (tokens per round; gain = TTS - frozen of the same kind)\n\n" + table(header, rows))
+    return "\n\n".join(parts)
+
+
+def _mode_title(label: str) -> str:
+    base, concurrency = parse_mode(label)
+    title = "greedy decoding" if base == GREEDY else f"temperature {base.lstrip('t')}"
+    return title if concurrency == 1 else f"{title}, {concurrency} concurrent requests"
+
+
 def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], level: str) -> list[str]:
     """The tables of one sampling mode (``level`` is the Markdown heading prefix of its sections)."""
     out = [
@@ -328,7 +384,7 @@ def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], lev
         ]
     agreement = aggregates.output_agreement
     out += ["", f"{level} Outputs", ""]
-    if label == GREEDY:
+    if parse_mode(label)[0] == GREEDY:
         differing = agreement.get("differing") or []
         total = agreement.get("prompts", 0)
         out.append(
@@ -384,9 +440,11 @@ def render_markdown(
     ]
     if not by_sampling:
         out += ["", "_No request completed._"]
+    sweep = concurrency_tables(by_sampling)
+    if sweep:
+        out += ["", "## Concurrency sweep", "", sweep]
     for label, aggregates in by_sampling.items():
-        title = "greedy decoding" if label == GREEDY else f"temperature {label.lstrip('t')}"
-        out += ["", f"## Sampling: {title}", "", *_mode_sections(aggregates, label, plots, "###")]
+        out += ["", f"## Sampling: {_mode_title(label)}", "", *_mode_sections(aggregates, label, plots, "###")]
     failures = [log for log in slot_logs if log.get("error")]
     if failures:
         out += ["", "## Failures", ""]
@@ -405,7 +463,9 @@ def render_markdown(
         "",
         "- accept: tokens emitted per verify round, bonus included, pooled over rounds (total tokens / rounds).",
         "- 2nd half / last 1/4: rounds whose first token lies in the second half / last quarter of their output.",
-        "- tok/s: completion tokens / client-side wall time, pooled; requests run one at a time.",
+        "- tok/s: completion tokens / client-side wall time, pooled; requests run one at a time, except in "
+        "modes `-c<N>`, where N requests are sent together and each is charged its wave's wall time / N "
+        "(so tok/s is the server's output rate).",
         "- stock: SGLang's own EAGLE3 / DFLASH algorithm with the same drafter (no per-round lengths: its "
         "acceptance is SGLang's spec_accept_length); frozen: TTS with `--tts-freeze`.",
         "- best TTS: the asynchronous TTS configuration with the highest tok/s over all datasets.",

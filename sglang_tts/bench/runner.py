@@ -9,9 +9,14 @@ configuration alike, at the cost of ``rounds x configs`` server starts (about a 
 2-core CPU). A server is kept alive when the next slot is the same configuration (a single
 configuration, or ``--base-url``, where the one running server serves everything).
 
-Requests are sequential (batch size 1): acceptance and per-request wall time are then properties of
-the configuration, not of the batch mix. Each prompt runs once per temperature (``temperatures``;
-0 = greedy) on the same server; records carry the mode's label (``greedy``, ``t0.7``).
+By default requests are sequential (batch size 1): acceptance and per-request wall time are then
+properties of the configuration, not of the batch mix. Each prompt runs once per temperature
+(``temperatures``; 0 = greedy) on the same server; records carry the mode's label (``greedy``, ``t0.7``).
+
+``concurrencies`` adds batched modes: at concurrency ``c > 1`` the slot's prompts are sent in waves of
+``c`` simultaneous requests (the prompt list is cycled to fill the last wave, so every wave is full and
+SGLang really batches ``c`` requests), labelled ``greedy-c4``, ``t0.7-c4``. A wave's wall time is
+shared equally by its requests for throughput (pooled tokens / wave seconds = the server's output rate).
 
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
@@ -27,6 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -41,6 +47,31 @@ DETAILS = {"tts_return_accept_lengths": True}
 def sampling_label(temperature: float) -> str:
     """``greedy`` for temperature 0, else ``t<temperature>`` (e.g. ``t0.7``): also used in plot file names."""
     return "greedy" if temperature == 0 else f"t{temperature:g}"
+
+
+def mode_label(temperature: float, concurrency: int = 1) -> str:
+    """The report's mode: the sampling label, plus ``-c<N>`` at concurrency N > 1 (``greedy-c4``)."""
+    label = sampling_label(temperature)
+    return label if concurrency == 1 else f"{label}-c{concurrency}"
+
+
+def parse_mode(label: str) -> tuple[str, int]:
+    """``greedy-c4`` -> (``greedy``, 4); ``t0.7`` -> (``t0.7``, 1)."""
+    base, sep, conc = label.rpartition("-c")
+    if sep and conc.isdigit():
+        return base, int(conc)
+    return label, 1
+
+
+def waves(prompts: Sequence[Any], concurrency: int) -> list[list[Any]]:
+    """``prompts`` in groups of ``concurrency`` sent together; the list is cycled so every group is full."""
+    if concurrency <= 1:
+        return [[p] for p in prompts]
+    if not prompts:
+        return []
+    total = -(-max(len(prompts), concurrency) // concurrency) * concurrency
+    cycled = [prompts[i % len(prompts)] for i in range(total)]
+    return [cycled[i : i + concurrency] for i in range(0, total, concurrency)]
 
 
 @dataclass(frozen=True)
@@ -89,10 +120,19 @@ class RequestRecord:
     tts_update_ms: float | None = None
     e2e_latency_s: float | None = None  # the server's own measurement
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
+    concurrency: int = 1  # requests sent together (the wave size; 1 = sequential)
+    wave_wall_s: float | None = None  # first request sent -> last response of its wave (concurrency > 1)
 
     @property
     def tokens_per_s(self) -> float:
         return self.completion_tokens / self.wall_s if self.wall_s > 0 else float("nan")
+
+    @property
+    def share_wall_s(self) -> float:
+        """This request's share of server time: its wall time alone, or its wave's divided by the wave size."""
+        if self.concurrency <= 1 or self.wave_wall_s is None:
+            return self.wall_s
+        return self.wave_wall_s / self.concurrency
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -304,6 +344,8 @@ class RunnerSettings:
     # Every prompt runs once per temperature (0 = greedy), on the same server; the other sampling
     # parameters come from ``sampling``.
     temperatures: tuple[float, ...] = (0.0,)
+    # Each mode runs once per concurrency: 1 = one request at a time; c > 1 = waves of c requests.
+    concurrencies: tuple[int, ...] = (1,)
     api: str = "openai"  # "openai" (/v1/chat/completions through the openai client) | "generate"
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
@@ -376,8 +418,7 @@ class Runner:
         progress: bool = True,
     ) -> list[RequestRecord]:
         failed: dict[str, str] = {}
-        per_prompt = len(self.settings.temperatures)
-        total = sum(len(slot.prompts) for slot in schedule) * per_prompt
+        total = sum(self._requests_per_slot(slot) for slot in schedule)
         bar = tqdm(total=total, desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
         try:
             for i, slot in enumerate(schedule):
@@ -385,7 +426,7 @@ class Runner:
                 self.slot_logs.append(log)
                 if slot.config.name in failed:
                     log.skipped, log.error = True, f"skipped: {failed[slot.config.name]}"
-                    bar.update(len(slot.prompts) * per_prompt)
+                    bar.update(self._requests_per_slot(slot))
                     continue
                 try:
                     self._run_slot(slot, log, bar)
@@ -418,12 +459,52 @@ class Runner:
             self._send(base_url, slot.prompts[0], config.speculative, self.settings.warmup_tokens)
             log.warmup_s = time.perf_counter() - start
         samplings = [replace(self.settings.sampling, temperature=t) for t in self.settings.temperatures]
-        for prompt in slot.prompts:
+        for concurrency in self.settings.concurrencies:
+            if concurrency == 1:
+                for prompt in slot.prompts:
+                    for sampling in samplings:
+                        bar.set_postfix_str(f"round {slot.round} {config.name} {prompt.id} {sampling.label}")
+                        start = time.perf_counter()
+                        response = self._send(base_url, prompt, config.speculative, sampling=sampling)
+                        wall = time.perf_counter() - start
+                        record = record_from_response(config.name, prompt, slot.round, response, wall, sampling.label)
+                        self.records.append(record)
+                        bar.update(1)
+                continue
             for sampling in samplings:
-                bar.set_postfix_str(f"round {slot.round} {config.name} {prompt.id} {sampling.label}")
-                start = time.perf_counter()
-                response = self._send(base_url, prompt, config.speculative, sampling=sampling)
-                wall = time.perf_counter() - start
-                record = record_from_response(config.name, prompt, slot.round, response, wall, sampling.label)
-                self.records.append(record)
-                bar.update(1)
+                label = mode_label(sampling.temperature, concurrency)
+                for wave in waves(slot.prompts, concurrency):
+                    bar.set_postfix_str(f"round {slot.round} {config.name} {label} x{len(wave)}")
+                    self.records += self._send_wave(base_url, config, slot.round, wave, sampling, label)
+                    bar.update(len(wave))
+
+    def _send_wave(
+        self,
+        base_url: str,
+        config: BenchConfig,
+        round_index: int,
+        wave: Sequence[BenchPrompt],
+        sampling: SamplingSettings,
+        label: str,
+    ) -> list[RequestRecord]:
+        """Send ``wave`` all at once (one thread per request) and record each with the wave's wall time."""
+
+        def one(prompt: BenchPrompt) -> tuple[Response, float]:
+            start = time.perf_counter()
+            response = self._send(base_url, prompt, config.speculative, sampling=sampling)
+            return response, time.perf_counter() - start
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+            results = list(pool.map(one, wave))
+        wave_wall = time.perf_counter() - start
+        records = []
+        for prompt, (response, wall) in zip(wave, results):
+            record = record_from_response(config.name, prompt, round_index, response, wall, label)
+            record.concurrency, record.wave_wall_s = len(wave), wave_wall
+            records.append(record)
+        return records
+
+    def _requests_per_slot(self, slot: Slot) -> int:
+        per_mode = sum(sum(len(w) for w in waves(slot.prompts, c)) for c in self.settings.concurrencies)
+        return per_mode * len(self.settings.temperatures)

@@ -124,3 +124,26 @@ def test_sampling_modes_are_aggregated_separately():
     assert by["greedy"].summary("eagle3:frozen").tokens_per_s == pytest.approx(122 / 14)
     assert by["t0.7"].summary("eagle3:frozen").tokens_per_s == pytest.approx(122 / 28)
     assert sampling_order(["t1", "t0.7", "greedy", "t0.7"]) == ["greedy", "t0.7", "t1"]
+
+
+def test_concurrent_modes_charge_each_request_its_share_of_the_wave():
+    greedy = full_records()
+    batched = []
+    for r in greedy:
+        # Four requests sent together: each took 3x its sequential time, the wave as long as the slowest.
+        batched.append(
+            record(r.config, r.dataset, r.accept_lengths, r.wall_s * 3, sampling="greedy-c4", concurrency=4)
+        )
+        batched[-1].wave_wall_s = r.wall_s * 3
+    by = aggregate_by_sampling([*batched, *greedy], full_configs(), bucket=20)
+    assert list(by) == ["greedy", "greedy-c4"]
+    # Same tokens, each request charged a quarter of 3x the time: 4/3 of the sequential rate.
+    assert by["greedy-c4"].summary("eagle3:frozen").tokens_per_s == pytest.approx(122 / 14 * 4 / 3)
+    assert by["greedy-c4"].summary("eagle3:frozen").accept_mean == by["greedy"].summary("eagle3:frozen").accept_mean
+    assert sampling_order(["greedy-c4", "t0.7", "greedy", "t0.7-c4", "greedy-c8"]) == [
+        "greedy",
+        "t0.7",
+        "greedy-c4",
+        "t0.7-c4",
+        "greedy-c8",
+    ]

@@ -13,6 +13,7 @@ from sglang_tts.bench.report import (
     PLOTS,
     acceptance_tables,
     async_sync_table,
+    concurrency_tables,
     losses,
     position_table,
     throughput_table,
@@ -133,3 +134,25 @@ def test_aggregate_by_sampling_of_no_records_renders(tmp_path):
     result = finish(tmp_path, _payload([], full_configs(("frozen",))))
     assert "_No request completed._" in result.report.read_text()
     assert result.plots == []
+
+
+def test_concurrency_tables_put_each_configuration_side_by_side_per_concurrency():
+    greedy = full_records()
+    batched = []
+    for r in greedy:
+        lengths = r.accept_lengths if "tts" not in r.config else [1] * 30 + [2] * 10  # TTS gains less at c=4
+        batched.append(record(r.config, r.dataset, lengths, r.wall_s * 2, sampling="greedy-c4", concurrency=4))
+        batched[-1].wave_wall_s = r.wall_s * 2
+    by = aggregate_by_sampling([*greedy, *batched], full_configs(), bucket=20)
+    text = concurrency_tables(by)
+    assert "c=1 accept (gain)" in text and "c=4 tok/s (x frozen)" in text
+    row = _row(text, "eagle3:tts-s5")
+    frozen_1 = by["greedy"].summary("eagle3:frozen").accept_mean
+    tts_1 = by["greedy"].summary("eagle3:tts-s5").accept_mean
+    tts_4 = by["greedy-c4"].summary("eagle3:tts-s5").accept_mean
+    assert row[1] == f"{tts_1:.2f} ({tts_1 - frozen_1:+.2f})"
+    assert row[2] == f"{tts_4:.2f} ({tts_4 - frozen_1:+.2f})"  # frozen's acceptance is the same at c=4
+    assert tts_4 - frozen_1 < tts_1 - frozen_1
+    assert _row(text, "eagle3:frozen")[1] == f"{frozen_1:.2f}"
+    assert "no-spec" not in text  # only drafters with a frozen baseline
+    assert concurrency_tables({"greedy": by["greedy"]}) == ""

@@ -4,20 +4,25 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from bench_testing import full_configs
 
-from sglang_tts.bench.configs import ConfigError, build_configs, kinds_needed, parse_config_name
+from sglang_tts.bench.configs import BenchConfig, ConfigError, build_configs, kinds_needed, parse_config_name
 from sglang_tts.bench.runner import (
+    Runner,
     RunnerSettings,
     SamplingSettings,
     Slot,
+    mode_label,
+    parse_mode,
     plan_schedule,
     record_from_response,
     send_openai,
     split_rounds,
+    waves,
 )
 from sglang_tts.bench.workload import BenchPrompt, interleave
 
@@ -45,7 +50,35 @@ def test_config_names_expand_per_kind_with_their_launch_flags():
     assert args[args.index("--tts-lr") + 1] == "0.01" and args[-2:] == ["--tts-scope", "global"]
 
 
-@pytest.mark.parametrize("bad", ["tts-s0", "foo", "medusa:frozen", "eagle3:no-spec", "tts-sx"])
+def test_scope_suffixes_become_scope_and_adapter_rank_flags():
+    configs = build_configs(
+        ["frozen", "tts-s5-batch", "tts-s5-request-r8", "tts-s1-sync-global", "tts-s5-request"],
+        ["eagle3"],
+        {"eagle3": "/e"},
+    )
+    by = {c.name: c for c in configs}
+    assert list(by) == [
+        "eagle3:frozen",
+        "eagle3:tts-s5-batch",
+        "eagle3:tts-s5-request-r8",
+        "eagle3:tts-s1-sync-global",
+        "eagle3:tts-s5-request",
+    ]
+    args = list(by["eagle3:tts-s5-request-r8"].server_args)
+    assert args[args.index("--tts-scope") + 1] == "request" and args[args.index("--tts-adapter-rank") + 1] == "8"
+    assert by["eagle3:tts-s5-request-r8"].scope == "request" and by["eagle3:tts-s5-batch"].scope == "batch"
+    plain = list(by["eagle3:tts-s5-request"].server_args)
+    assert "--tts-adapter-rank" not in plain and plain[plain.index("--tts-scope") + 1] == "request"
+    glob = by["eagle3:tts-s1-sync-global"]
+    assert glob.sync and glob.stride == 1 and "--tts-sync" in glob.server_args
+    assert "--tts-scope" not in by["eagle3:frozen"].server_args and by["eagle3:frozen"].scope is None
+    # A configuration survives results.json.
+    assert BenchConfig.from_json(by["eagle3:tts-s5-batch"].to_json()) == by["eagle3:tts-s5-batch"]
+
+
+@pytest.mark.parametrize(
+    "bad", ["tts-s0", "foo", "medusa:frozen", "eagle3:no-spec", "tts-sx", "tts-s5-batch-r8", "tts-s5-request-r0"]
+)
 def test_bad_config_names_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_config_name(bad)
@@ -142,3 +175,61 @@ def test_runner_settings_default_to_the_openai_api_and_greedy():
     settings = RunnerSettings(model="m")
     assert settings.api == "openai" and settings.temperatures == (0.0,)
     assert SamplingSettings().label == "greedy"
+
+
+def test_waves_fill_every_group_by_cycling_the_prompts():
+    assert waves([1, 2, 3], 1) == [[1], [2], [3]]
+    assert waves([1, 2], 3) == [[1, 2, 1]]
+    assert waves([1, 2, 3, 4, 5], 2) == [[1, 2], [3, 4], [5, 1]]
+    assert waves([], 4) == []
+    assert mode_label(0.0, 1) == "greedy" and mode_label(0.7, 4) == "t0.7-c4"
+    assert parse_mode("t0.7-c4") == ("t0.7", 4) and parse_mode("greedy") == ("greedy", 1)
+
+
+class _SlowSGLang(_FakeSGLang):
+    """Like _FakeSGLang, but each request takes a while and the server counts requests in flight."""
+
+    lock = threading.Lock()
+    in_flight = 0
+    max_in_flight = 0
+
+    def do_POST(self):  # noqa: N802
+        cls = _SlowSGLang
+        with cls.lock:
+            cls.in_flight += 1
+            cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
+        try:
+            time.sleep(0.3)
+            super().do_POST()
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+
+
+def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowSGLang)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        settings = RunnerSettings(model="m", base_url=base, concurrencies=(1, 3), warmup_tokens=0)
+        config = BenchConfig("eagle3:tts-s5", "tts", "eagle3", stride=5)
+        prompts = [BenchPrompt(f"p{i}", "d", messages=({"role": "user", "content": f"q{i}"},)) for i in range(2)]
+        sequential_max = []
+
+        def after_slot(runner: Runner) -> None:
+            sequential_max.append(_SlowSGLang.max_in_flight)
+
+        records = Runner(settings).run(plan_schedule([config], prompts, 1), on_slot=after_slot, progress=False)
+    finally:
+        server.shutdown()
+    single = [r for r in records if r.sampling == "greedy"]
+    batched = [r for r in records if r.sampling == "greedy-c3"]
+    assert [r.prompt_id for r in single] == ["p0", "p1"] and all(r.concurrency == 1 for r in single)
+    assert [r.prompt_id for r in batched] == ["p0", "p1", "p0"]  # one full wave, cycled
+    assert all(r.concurrency == 3 for r in batched)
+    assert _SlowSGLang.max_in_flight == 3  # the wave really was in flight together
+    wave = batched[0].wave_wall_s
+    assert wave is not None and all(r.wave_wall_s == wave for r in batched)
+    assert batched[0].share_wall_s == pytest.approx(wave / 3) and single[0].share_wall_s == single[0].wall_s
+    assert all(r.wall_s <= wave + 1e-6 for r in batched)

@@ -122,6 +122,8 @@ def test_from_json_rerenders_without_servers(tmp_path, capsys):
     [
         (["--smoke", "--configs", "tts-s0"], "stride must be >= 1"),
         (["--base-url", "http://127.0.0.1:9", "--configs", "eagle3:frozen"], "cannot read /server_info"),
+        (["--smoke", "--concurrency", "1", "0"], "--concurrency: distinct values >= 1"),
+        (["--smoke", "--configs", "tts-s5-global-r4"], "only goes with the request scope"),
     ],
 )
 def test_bad_arguments_are_argparse_errors(argv, message, capsys):
