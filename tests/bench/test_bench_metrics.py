@@ -131,9 +131,7 @@ def test_concurrent_modes_charge_each_request_its_share_of_the_wave():
     batched = []
     for r in greedy:
         # Four requests sent together: each took 3x its sequential time, the wave as long as the slowest.
-        batched.append(
-            record(r.config, r.dataset, r.accept_lengths, r.wall_s * 3, sampling="greedy-c4", concurrency=4)
-        )
+        batched.append(record(r.config, r.dataset, r.accept_lengths, r.wall_s * 3, sampling="greedy-c4", concurrency=4))
         batched[-1].wave_wall_s = r.wall_s * 3
     by = aggregate_by_sampling([*batched, *greedy], full_configs(), bucket=20)
     assert list(by) == ["greedy", "greedy-c4"]

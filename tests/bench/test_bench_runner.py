@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -149,17 +150,22 @@ class _FakeSGLang(BaseHTTPRequestHandler):
         pass
 
 
-def test_openai_request_carries_custom_params_and_reads_meta_info():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeSGLang)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
+@contextlib.contextmanager
+def _serving(handler: type[BaseHTTPRequestHandler]):
+    """A local HTTP server in a thread; yields its base URL."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+
+
+def test_openai_request_carries_custom_params_and_reads_meta_info():
+    with _serving(_FakeSGLang) as base:
         prompt = BenchPrompt("p0", "d", messages=({"role": "user", "content": "hi"},))
         sampling = SamplingSettings(max_new_tokens=8, temperature=0.7, ignore_eos=True)
         response = send_openai(base, "m", prompt, sampling, details=True, timeout=30)
-    finally:
-        server.shutdown()
     body = _FakeSGLang.bodies[-1]
     assert body["messages"] == [{"role": "user", "content": "hi"}] and body["max_tokens"] == 8
     assert body["temperature"] == 0.7 and body["ignore_eos"] is True and body["return_meta_info"] is True
@@ -207,22 +213,11 @@ class _SlowSGLang(_FakeSGLang):
 
 
 def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), _SlowSGLang)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        base = f"http://127.0.0.1:{server.server_address[1]}"
+    with _serving(_SlowSGLang) as base:
         settings = RunnerSettings(model="m", base_url=base, concurrencies=(1, 3), warmup_tokens=0)
         config = BenchConfig("eagle3:tts-s5", "tts", "eagle3", stride=5)
         prompts = [BenchPrompt(f"p{i}", "d", messages=({"role": "user", "content": f"q{i}"},)) for i in range(2)]
-        sequential_max = []
-
-        def after_slot(runner: Runner) -> None:
-            sequential_max.append(_SlowSGLang.max_in_flight)
-
-        records = Runner(settings).run(plan_schedule([config], prompts, 1), on_slot=after_slot, progress=False)
-    finally:
-        server.shutdown()
+        records = Runner(settings).run(plan_schedule([config], prompts, 1), progress=False)
     single = [r for r in records if r.sampling == "greedy"]
     batched = [r for r in records if r.sampling == "greedy-c3"]
     assert [r.prompt_id for r in single] == ["p0", "p1"] and all(r.concurrency == 1 for r in single)
