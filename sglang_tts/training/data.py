@@ -120,6 +120,21 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
     return [int(i) for i in ids if i is not None]
 
 
+def prompt_pool(cfg: DataConfig) -> list[Prompt]:
+    """The seeded sample of prompts the target answers (all of the source if it has fewer)."""
+    return load_prompts(cfg.source, min(cfg.num_prompts, len(load_prompts(cfg.source))), seed=cfg.seed)
+
+
+def write_prompt_split(path: Path, cfg: DataConfig, keys: list[str]) -> Path:
+    """The prompts behind ``keys`` as JSONL (id, question, answer): a prompt file the benchmark reads, so
+    acceptance can be measured on exactly the prompts a drafter was trained on (held in) or not."""
+    by_id = {p.id: p for p in prompt_pool(cfg)}
+    lines = [json.dumps({"id": k, "question": by_id[k].question, "answer": by_id[k].answer}) for k in keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 @torch.no_grad()
 def greedy_answers(
     model: PreTrainedModel,
@@ -170,7 +185,7 @@ def build_sequence_set(
         done = {k: (ids, int(n)) for k, ids, n in zip(saved["keys"], saved["ids"], saved["prompt_lens"])}
         logger.info("loaded %d cached sequences from %s", len(done), cache_file)
 
-    prompts = load_prompts(cfg.source, min(cfg.num_prompts, len(load_prompts(cfg.source))), seed=cfg.seed)
+    prompts = prompt_pool(cfg)
     encoded: list[tuple[str, list[int]]] = []
     for prompt in prompts:
         ids = prompt_token_ids(tokenizer, prompt, cfg.instruction)

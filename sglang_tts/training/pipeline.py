@@ -4,8 +4,9 @@ Output folders (config.json + model.safetensors, what SGLang's ``--speculative-d
 and ``sglang_tts.drafters.load_drafter`` take) default to
 ``cache_root() / "drafters" / f"{target}-{kind}-{tag}"``. Each also holds ``train/``: the
 resumable training state (``state.pt``), the metric log (``metrics.jsonl``) and ``summary.json``
-(held-out metrics before and after training, timings, the full configuration). SGLang ignores the
-subfolder. Generated sets and features are cached under ``cache_root() / "drafters" / "data"``.
+(held-out metrics before and after training, timings, the full configuration), and the prompts of
+the split as ``held_in.jsonl`` / ``held_out.jsonl`` (``scripts/bench_long.py --datasets`` reads them). SGLang
+ignores the subfolder. Generated sets and features are cached under ``cache_root() / "drafters" / "data"``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 
 from sglang_tts.assets import cache_root, prepare_default_model
-from sglang_tts.training.data import DataConfig, build_sequence_set
+from sglang_tts.training.data import DataConfig, build_sequence_set, write_prompt_split
 from sglang_tts.training.dflash import (
     DFlashObjective,
     DFlashTrainConfig,
@@ -170,6 +171,8 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     for kind, (drafter, config) in drafters.items():
         out = output_dir(request, target_path.name, kind)
         state_dir = out / TRAIN_SUBDIR
+        for name, subset in (("held_in", train_set), ("held_out", held_set)):
+            write_prompt_split(state_dir / f"{name}.jsonl", request.data, subset.keys)
         if kind == "eagle3":
             cfg = request.eagle3
             objective = Eagle3Objective(drafter, cfg, train_set, train_feats, target, request.seed)

@@ -56,6 +56,9 @@ def trained(loopy_llama, tmp_path_factory) -> dict[str, pathlib.Path]:
     for folder in folders:
         assert (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
         assert (folder / "train" / "summary.json").is_file()
+        held_in = [json.loads(line)["id"] for line in (folder / "train" / "held_in.jsonl").read_text().splitlines()]
+        held_out = [json.loads(line)["id"] for line in (folder / "train" / "held_out.jsonl").read_text().splitlines()]
+        assert held_in and held_out and not set(held_in) & set(held_out) and set(held_in) <= {r["id"] for r in rows}
     return dict(zip(("eagle3", "dflash"), folders))
 
 

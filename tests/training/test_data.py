@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import torch
 
+from sglang_tts.data.prompts import load_prompts
 from sglang_tts.testing.reference import hf_greedy
 from sglang_tts.training import data as data_module
-from sglang_tts.training.data import build_sequence_set, prompt_token_ids
+from sglang_tts.training.data import build_sequence_set, prompt_token_ids, write_prompt_split
 
 
 def test_sequences_are_prompt_plus_greedy_answer(sequences, tiny_target, data_config):
@@ -74,3 +75,16 @@ def test_split_is_seeded_and_disjoint(sequences):
     assert sorted(train + held) == list(range(len(sequences))) and len(held) == 3
     assert sequences.split_indices(3, seed=0) == (train, held)
     assert sequences.split_indices(100, seed=0)[0]  # at least one sequence stays for training
+
+
+def test_prompt_splits_are_written_as_benchmark_prompt_files(sequences, data_config, tmp_path):
+    train, held = sequences.split_indices(3, seed=0)
+    written = {}
+    for name, indices in (("held_in", train), ("held_out", held)):
+        path = write_prompt_split(tmp_path / f"{name}.jsonl", data_config, sequences.subset(indices).keys)
+        written[name] = load_prompts(str(path))  # what scripts/bench_long.py --datasets PATH reads
+    pool = {p.id: p for p in load_prompts(data_config.source)}
+    held_in, held_out = ([p.id for p in written[n]] for n in ("held_in", "held_out"))
+    assert held_in == sequences.subset(train).keys and held_out == sequences.subset(held).keys
+    assert not set(held_in) & set(held_out) and len(held_in) + len(held_out) == len(sequences)
+    assert all(p.question == pool[p.id].question for p in written["held_in"] + written["held_out"])
