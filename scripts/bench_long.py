@@ -37,6 +37,7 @@ from sglang_tts.bench.configs import (  # noqa: E402
     kinds_needed,
     parse_config_name,
     parse_drafter_args,
+    parse_eagle3_shape,
     resolve_drafters,
     split_server_args,
 )
@@ -64,6 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
     what.add_argument("--drafter-kind", nargs="+", choices=KINDS, help="drafter kinds to run (default eagle3)")
     what.add_argument("--drafter", action="append", default=[], help="[KIND=]PATH (default: trained drafters in cache)")
     what.add_argument("--model", help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
+    what.add_argument(
+        "--eagle3-shape",
+        default="chain",
+        help="EAGLE-3 draft shape: chain (3 steps, top-k 1, 4 tokens; default), sglang (SGLang's own choice: "
+        "5,4,8 for Llama targets) or STEPS,TOPK,DRAFT_TOKENS",
+    )
     what.add_argument("--tts-lr", type=float, help="--tts-lr for the TTS configurations (default: the server's)")
     what.add_argument(
         "--server-arg",
@@ -177,6 +184,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
     names = list(args.configs or (smoke.CONFIGS if args.smoke else DEFAULT_CONFIGS))
     for name in names:  # refuse a bad name before preparing models or contacting servers
         parse_config_name(name)
+    shape = parse_eagle3_shape(args.eagle3_shape)
 
     if args.smoke:
         models = smoke.prepare_smoke_models(args.smoke_dir)
@@ -200,7 +208,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         configs = [_external_config(args, server_info or {})]
     else:
         extra = split_server_args(args.server_arg)
-        configs = build_configs(names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra)
+        configs = build_configs(names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra, eagle3_shape=shape)
 
     # /generate sends token ids: apply the chat template here, with the target's tokenizer.
     tokenizer = model if args.api == "generate" else None
@@ -229,6 +237,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "ignore_eos": sampling.ignore_eos,
             "api": "/v1/chat/completions (openai client)" if args.api == "openai" else "/generate (token ids)",
             "tts_lr": tts_lr if tts_lr is not None else "server default",
+            "eagle3_shape": args.eagle3_shape,
             "smoke": args.smoke,
         }
     )

@@ -27,15 +27,40 @@ KINDS = ("eagle3", "dflash")
 STRIDES = (1, 2, 5, 10, 20)
 STOCK_ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
 DEFAULT_CONFIGS = ("no-spec", "stock", "frozen", *(f"tts-s{s}" for s in STRIDES), "tts-s1-sync", "tts-s5-sync")
-# EAGLE-3 chain drafting (3 drafts, 4 verified tokens), as in the demo and the serving tests.
-EAGLE3_CHAIN_ARGS = (
-    "--speculative-num-steps",
-    "3",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "4",
-)
+# EAGLE-3 draft shapes (steps, top-k, draft tokens). "chain" (3 drafts, 4 verified tokens) is the demo's
+# and the serving tests'; "sglang" passes no shape flags, so SGLang picks its own default (for Llama
+# targets such as SmolLM2: 5 steps, top-k 4, 8 draft tokens: a tree).
+EAGLE3_SHAPES: dict[str, tuple[int, int, int] | None] = {"chain": (3, 1, 4), "sglang": None}
+
+
+def parse_eagle3_shape(text: str) -> tuple[int, int, int] | None:
+    """``chain``, ``sglang`` or ``STEPS,TOPK,DRAFT_TOKENS`` (e.g. ``5,4,8``) -> the shape (None: SGLang's)."""
+    if text in EAGLE3_SHAPES:
+        return EAGLE3_SHAPES[text]
+    try:
+        steps, topk, tokens = (int(x) for x in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"EAGLE-3 shape {text!r}: use chain, sglang or STEPS,TOPK,DRAFT_TOKENS (e.g. 5,4,8)"
+        ) from None
+    if min(steps, topk, tokens) < 1:
+        raise ConfigError(f"EAGLE-3 shape {text!r}: every number must be >= 1")
+    return steps, topk, tokens
+
+
+def eagle3_shape_args(shape: tuple[int, int, int] | None) -> list[str]:
+    if shape is None:
+        return []
+    steps, topk, tokens = shape
+    return [
+        "--speculative-num-steps",
+        str(steps),
+        "--speculative-eagle-topk",
+        str(topk),
+        "--speculative-num-draft-tokens",
+        str(tokens),
+    ]
+
 
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
@@ -138,12 +163,18 @@ def split_server_args(values: Iterable[str]) -> tuple[str, ...]:
     return tuple(word for value in values for word in shlex.split(value))
 
 
-def tts_server_args(spec: ConfigSpec, drafter: Path, kind: str, tts_lr: float | None) -> list[str]:
+def tts_server_args(
+    spec: ConfigSpec,
+    drafter: Path,
+    kind: str,
+    tts_lr: float | None,
+    eagle3_shape: tuple[int, int, int] | None = EAGLE3_SHAPES["chain"],
+) -> list[str]:
     """Launch flags of one speculative configuration (before the user's ``--server-arg`` extras)."""
     algorithm = STOCK_ALGORITHM[kind] if spec.variant == "stock" else "TTS"
     args = ["--speculative-algorithm", algorithm, "--speculative-draft-model-path", str(drafter)]
     if kind == "eagle3":
-        args += EAGLE3_CHAIN_ARGS
+        args += eagle3_shape_args(eagle3_shape)
     if spec.variant == "stock":
         return args
     if spec.variant == "frozen":
@@ -167,6 +198,7 @@ def build_configs(
     *,
     tts_lr: float | None = None,
     extra_server_args: Sequence[str] = (),
+    eagle3_shape: tuple[int, int, int] | None = EAGLE3_SHAPES["chain"],
 ) -> list[BenchConfig]:
     """Expand ``--configs`` over ``--drafter-kind`` into launchable configurations, in a stable order.
 
@@ -189,7 +221,7 @@ def build_configs(
             if kind not in drafters:
                 raise ConfigError(f"no {kind} drafter given for configuration {kind}:{spec.base_name}")
             name = f"{kind}:{spec.base_name}"
-            args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr), *extra)
+            args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr, eagle3_shape), *extra)
             configs[name] = BenchConfig(
                 name, spec.variant, kind, str(drafters[kind]), spec.stride, spec.sync, tuple(args), spec.scope
             )

@@ -11,7 +11,14 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from bench_testing import full_configs
 
-from sglang_tts.bench.configs import BenchConfig, ConfigError, build_configs, kinds_needed, parse_config_name
+from sglang_tts.bench.configs import (
+    BenchConfig,
+    ConfigError,
+    build_configs,
+    kinds_needed,
+    parse_config_name,
+    parse_eagle3_shape,
+)
 from sglang_tts.bench.runner import (
     Runner,
     RunnerSettings,
@@ -75,6 +82,22 @@ def test_scope_suffixes_become_scope_and_adapter_rank_flags():
     assert "--tts-scope" not in by["eagle3:frozen"].server_args and by["eagle3:frozen"].scope is None
     # A configuration survives results.json.
     assert BenchConfig.from_json(by["eagle3:tts-s5-batch"].to_json()) == by["eagle3:tts-s5-batch"]
+
+
+def test_eagle3_shape_chooses_the_draft_shape_flags():
+    def flags(shape):
+        config = build_configs(["tts-s5"], ["eagle3", "dflash"], {"eagle3": "/e", "dflash": "/d"}, eagle3_shape=shape)
+        return [list(c.server_args) for c in config]
+
+    (eagle_tree, dflash), (eagle_sglang, _) = flags(parse_eagle3_shape("5,4,8")), flags(parse_eagle3_shape("sglang"))
+    assert eagle_tree[eagle_tree.index("--speculative-eagle-topk") + 1] == "4"
+    assert eagle_tree[eagle_tree.index("--speculative-num-draft-tokens") + 1] == "8"
+    assert not any(a.startswith("--speculative-num") for a in eagle_sglang)  # SGLang picks the shape itself
+    assert not any(a.startswith("--speculative-num") for a in dflash)  # DFlash drafts its block
+    assert parse_eagle3_shape("chain") == (3, 1, 4)
+    for bad in ("tree", "5,4", "5,0,8"):
+        with pytest.raises(ConfigError, match="EAGLE-3 shape"):
+            parse_eagle3_shape(bad)
 
 
 @pytest.mark.parametrize(

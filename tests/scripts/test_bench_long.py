@@ -123,6 +123,7 @@ def test_from_json_rerenders_without_servers(tmp_path, capsys):
         (["--smoke", "--configs", "tts-s0"], "stride must be >= 1"),
         (["--base-url", "http://127.0.0.1:9", "--configs", "eagle3:frozen"], "cannot read /server_info"),
         (["--smoke", "--concurrency", "1", "0"], "--concurrency: distinct values >= 1"),
+        (["--smoke", "--eagle3-shape", "5,4"], "EAGLE-3 shape '5,4'"),
         (["--smoke", "--configs", "tts-s5-global-r4"], "only goes with the request scope"),
     ],
 )
