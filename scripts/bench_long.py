@@ -38,6 +38,7 @@ from sglang_tts.bench.configs import (  # noqa: E402
     parse_config_name,
     parse_drafter_args,
     parse_eagle3_shape,
+    parse_variants,
     resolve_drafters,
     split_server_args,
 )
@@ -77,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="extra launch flags for every server, e.g. --server-arg=--tts-scope=global",
+    )
+    what.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="TAG=FLAGS",
+        help="named extra launch flags: a configuration name ending in +TAG gets FLAGS, e.g. "
+        "--variant ctl='--tts-controller policy.json' --configs tts-s5 tts-s5+ctl",
     )
     what.add_argument(
         "--base-url", help="benchmark this running server instead (one configuration: name it with --configs)"
@@ -185,6 +194,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
     for name in names:  # refuse a bad name before preparing models or contacting servers
         parse_config_name(name)
     shape = parse_eagle3_shape(args.eagle3_shape)
+    variants = parse_variants(args.variant)
 
     if args.smoke:
         models = smoke.prepare_smoke_models(args.smoke_dir)
@@ -208,7 +218,9 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         configs = [_external_config(args, server_info or {})]
     else:
         extra = split_server_args(args.server_arg)
-        configs = build_configs(names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra, eagle3_shape=shape)
+        configs = build_configs(
+            names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra, eagle3_shape=shape, variants=variants
+        )
 
     # /generate sends token ids: apply the chat template here, with the target's tokenizer.
     tokenizer = model if args.api == "generate" else None

@@ -65,7 +65,8 @@ def eagle3_shape_args(shape: tuple[int, int, int] | None) -> list[str]:
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
     r"(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
-    r"(?:-(?P<scope>batch|global|request)(?:-r(?P<rank>[0-9]+))?)?)$"
+    r"(?:-(?P<scope>batch|global|request)(?:-r(?P<rank>[0-9]+))?)?)"
+    r"(?P<tags>(?:\+[A-Za-z0-9_.-]+)*)$"
 )
 SCOPES = ("batch", "request", "global")
 
@@ -84,17 +85,18 @@ class ConfigSpec:
     sync: bool = False
     scope: str | None = None  # --tts-scope; None: the server's default
     adapter_rank: int | None = None  # --tts-adapter-rank (scope "request" only)
+    tags: tuple[str, ...] = ()  # "+TAG" suffixes: extra launch flags defined with --variant TAG=FLAGS
 
     @property
     def base_name(self) -> str:
-        if self.variant != "tts":
-            return self.variant
-        name = f"tts-s{self.stride}" + ("-sync" if self.sync else "")
-        if self.scope is not None:
-            name += f"-{self.scope}"
-        if self.adapter_rank is not None:
-            name += f"-r{self.adapter_rank}"
-        return name
+        name = self.variant
+        if self.variant == "tts":
+            name = f"tts-s{self.stride}" + ("-sync" if self.sync else "")
+            if self.scope is not None:
+                name += f"-{self.scope}"
+            if self.adapter_rank is not None:
+                name += f"-r{self.adapter_rank}"
+        return name + "".join(f"+{tag}" for tag in self.tags)
 
 
 @dataclass(frozen=True)
@@ -141,12 +143,13 @@ def parse_config_name(text: str) -> ConfigSpec:
     if kind is not None and kind not in KINDS:
         raise ConfigError(f"{text!r}: unknown drafter kind {kind!r} (use {', '.join(KINDS)})")
     base = match["base"]
+    tags = tuple(tag for tag in match["tags"].split("+") if tag)
     if base == "no-spec":
         if kind is not None:
             raise ConfigError(f"{text!r}: no-spec serves no drafter, so it takes no kind prefix")
-        return ConfigSpec("no-spec")
+        return ConfigSpec("no-spec", tags=tags)
     if base in ("stock", "frozen"):
-        return ConfigSpec(base, kind)
+        return ConfigSpec(base, kind, tags=tags)
     stride = int(match["stride"])
     if stride < 1:
         raise ConfigError(f"{text!r}: the update stride must be >= 1")
@@ -155,12 +158,25 @@ def parse_config_name(text: str) -> ConfigSpec:
         raise ConfigError(f"{text!r}: an adapter rank (-r<R>) only goes with the request scope (-request-r<R>)")
     if rank is not None and int(rank) < 1:
         raise ConfigError(f"{text!r}: the adapter rank must be >= 1")
-    return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, None if rank is None else int(rank))
+    return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, None if rank is None else int(rank), tags)
 
 
 def split_server_args(values: Iterable[str]) -> tuple[str, ...]:
     """``--server-arg`` values, each possibly several shell words ("--tts-scope global"), as one argv list."""
     return tuple(word for value in values for word in shlex.split(value))
+
+
+def parse_variants(values: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """``--variant TAG=FLAGS`` values -> {tag: argv words}; ``frozen+TAG`` / ``tts-s5+TAG`` then add FLAGS."""
+    out: dict[str, tuple[str, ...]] = {}
+    for value in values:
+        tag, sep, flags = value.partition("=")
+        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+            raise ConfigError(f"--variant {value!r}: write TAG=FLAGS, e.g. ctl='--tts-controller policy.json'")
+        if tag in out:
+            raise ConfigError(f"--variant {tag} is defined twice")
+        out[tag] = tuple(shlex.split(flags))
+    return out
 
 
 def tts_server_args(
@@ -199,21 +215,36 @@ def build_configs(
     tts_lr: float | None = None,
     extra_server_args: Sequence[str] = (),
     eagle3_shape: tuple[int, int, int] | None = EAGLE3_SHAPES["chain"],
+    variants: Mapping[str, Sequence[str]] | None = None,
 ) -> list[BenchConfig]:
     """Expand ``--configs`` over ``--drafter-kind`` into launchable configurations, in a stable order.
 
     Order: no-spec, then per kind (in ``kinds`` order) the names in the order given. Duplicates collapse.
     ``drafters`` maps each kind that a speculative configuration needs to its checkpoint folder.
-    ``extra_server_args`` go after the generated flags (so they override them) on every configuration.
+    ``extra_server_args`` go after the generated flags (so they override them) on every configuration;
+    a name's ``+TAG`` flags (``variants[TAG]``) go last.
     """
     specs = [parse_config_name(name) for name in names]
+    variants = dict(variants or {})
+    for spec in specs:
+        missing = [tag for tag in spec.tags if tag not in variants]
+        if missing:
+            raise ConfigError(
+                f"configuration {spec.base_name} uses +{missing[0]}, which no --variant defines "
+                f"(add --variant {missing[0]}='--some-flag value')"
+            )
+
+    def tagged(spec: ConfigSpec) -> tuple[str, ...]:
+        return tuple(word for tag in spec.tags for word in variants[tag])
+
     for spec in specs:
         if spec.kind is not None and spec.kind not in kinds:
             raise ConfigError(f"configuration {spec.kind}:{spec.base_name} names a kind missing from --drafter-kind")
     extra = tuple(extra_server_args)
     configs: dict[str, BenchConfig] = {}
-    if any(spec.variant == "no-spec" for spec in specs):
-        configs["no-spec"] = BenchConfig("no-spec", "no-spec", server_args=extra)
+    for spec in specs:
+        if spec.variant == "no-spec":
+            configs[spec.base_name] = BenchConfig(spec.base_name, "no-spec", server_args=(*extra, *tagged(spec)))
     for kind in kinds:
         for spec in specs:
             if spec.variant == "no-spec" or spec.kind not in (None, kind):
@@ -221,7 +252,7 @@ def build_configs(
             if kind not in drafters:
                 raise ConfigError(f"no {kind} drafter given for configuration {kind}:{spec.base_name}")
             name = f"{kind}:{spec.base_name}"
-            args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr, eagle3_shape), *extra)
+            args = (*tts_server_args(spec, Path(drafters[kind]), kind, tts_lr, eagle3_shape), *extra, *tagged(spec))
             configs[name] = BenchConfig(
                 name, spec.variant, kind, str(drafters[kind]), spec.stride, spec.sync, tuple(args), spec.scope
             )

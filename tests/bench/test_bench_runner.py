@@ -18,6 +18,7 @@ from sglang_tts.bench.configs import (
     kinds_needed,
     parse_config_name,
     parse_eagle3_shape,
+    parse_variants,
 )
 from sglang_tts.bench.runner import (
     Runner,
@@ -82,6 +83,29 @@ def test_scope_suffixes_become_scope_and_adapter_rank_flags():
     assert "--tts-scope" not in by["eagle3:frozen"].server_args and by["eagle3:frozen"].scope is None
     # A configuration survives results.json.
     assert BenchConfig.from_json(by["eagle3:tts-s5-batch"].to_json()) == by["eagle3:tts-s5-batch"]
+
+
+def test_variant_tags_add_their_flags_last():
+    variants = parse_variants(["ctl=--tts-controller /p.json", "lr3=--tts-adapter-lr 3e-3"])
+    assert variants == {"ctl": ("--tts-controller", "/p.json"), "lr3": ("--tts-adapter-lr", "3e-3")}
+    configs = build_configs(
+        ["no-spec+ctl", "frozen", "tts-s5+ctl", "tts-s5-request-r8+lr3+ctl"],
+        ["eagle3"],
+        {"eagle3": "/e"},
+        extra_server_args=["--tts-scope", "global"],
+        variants=variants,
+    )
+    by = {c.name: c for c in configs}
+    assert list(by) == ["no-spec+ctl", "eagle3:frozen", "eagle3:tts-s5+ctl", "eagle3:tts-s5-request-r8+lr3+ctl"]
+    assert by["no-spec+ctl"].server_args == ("--tts-scope", "global", "--tts-controller", "/p.json")
+    tagged = list(by["eagle3:tts-s5-request-r8+lr3+ctl"].server_args)
+    assert tagged[-4:] == ["--tts-adapter-lr", "3e-3", "--tts-controller", "/p.json"]
+    assert "--tts-controller" not in by["eagle3:frozen"].server_args
+    with pytest.raises(ConfigError, match=r"uses \+nope, which no --variant defines"):
+        build_configs(["tts-s5+nope"], ["eagle3"], {"eagle3": "/e"}, variants=variants)
+    for bad in (["ctl"], ["c tl=--x"], ["a=--x", "a=--y"]):
+        with pytest.raises(ConfigError, match="--variant"):
+            parse_variants(bad)
 
 
 def test_eagle3_shape_chooses_the_draft_shape_flags():
