@@ -204,7 +204,7 @@ def stride_tables(aggregates: Aggregates) -> str:
             )
         if rows:
             parts.append(f"**{kind}** (all datasets)\n\n" + table(header, rows, "lllrrrrrrrrrrr"))
-    return "\n\n".join(parts) if parts else "_No speculative configuration was run._"
+    return "\n\n".join(parts) if parts else "_No TTS configuration was run._"
 
 
 def async_sync_table(aggregates: Aggregates) -> str:
