@@ -62,13 +62,14 @@ def eagle3_shape_args(shape: tuple[int, int, int] | None) -> list[str]:
     ]
 
 
+SCOPES = ("batch", "request", "global")
+_TAG = r"[A-Za-z0-9_.-]+"  # a --variant tag, as written after "+" in a configuration name
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
     r"(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
-    r"(?:-(?P<scope>batch|global|request)(?:-r(?P<rank>[0-9]+))?)?)"
-    r"(?P<tags>(?:\+[A-Za-z0-9_.-]+)*)$"
+    rf"(?:-(?P<scope>{'|'.join(SCOPES)})(?:-r(?P<rank>[0-9]+))?)?)"
+    rf"(?P<tags>(?:\+{_TAG})*)$"
 )
-SCOPES = ("batch", "request", "global")
 
 
 class ConfigError(ValueError):
@@ -171,7 +172,7 @@ def parse_variants(values: Iterable[str]) -> dict[str, tuple[str, ...]]:
     out: dict[str, tuple[str, ...]] = {}
     for value in values:
         tag, sep, flags = value.partition("=")
-        if not sep or not re.fullmatch(r"[A-Za-z0-9_.-]+", tag):
+        if not sep or not re.fullmatch(_TAG, tag):
             raise ConfigError(f"--variant {value!r}: write TAG=FLAGS, e.g. ctl='--tts-controller policy.json'")
         if tag in out:
             raise ConfigError(f"--variant {tag} is defined twice")

@@ -324,11 +324,11 @@ def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
             accept_cells, speed_cells = [], []
             for c in concurrencies:
                 mine = per_c[c].summary(name)
-                frozen = per_c[c].summary(f"{mine.kind}:frozen") if mine is not None else None
                 if mine is None:
                     accept_cells.append("-")
                     speed_cells.append("-")
                     continue
+                frozen = per_c[c].summary(f"{mine.kind}:frozen")
                 gain = None
                 ratio = None
                 if frozen is not None and mine.variant == "tts":
@@ -339,14 +339,19 @@ def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
                 accept_cells.append(fmt(mine.accept_mean) + (f" ({fmt_signed(gain)})" if gain is not None else ""))
                 speed_cells.append(fmt(mine.tokens_per_s, 1) + (f" ({fmt(ratio)}x)" if ratio is not None else ""))
             rows.append([name, *accept_cells, *speed_cells])
-        title = "greedy decoding" if base == GREEDY else f"temperature {base.lstrip('t')}"
+        title = _sampling_title(base)
         parts.append(f"**{title}** (tokens per round; gain = TTS - frozen of the same kind)\n\n" + table(header, rows))
     return "\n\n".join(parts)
 
 
+def _sampling_title(sampling: str) -> str:
+    """``greedy`` -> "greedy decoding", ``t0.7`` -> "temperature 0.7"."""
+    return "greedy decoding" if sampling == GREEDY else f"temperature {sampling.lstrip('t')}"
+
+
 def _mode_title(label: str) -> str:
     base, concurrency = parse_mode(label)
-    title = "greedy decoding" if base == GREEDY else f"temperature {base.lstrip('t')}"
+    title = _sampling_title(base)
     return title if concurrency == 1 else f"{title}, {concurrency} concurrent requests"
 
 

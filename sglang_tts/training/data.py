@@ -125,10 +125,11 @@ def prompt_pool(cfg: DataConfig) -> list[Prompt]:
     return load_prompts(cfg.source, min(cfg.num_prompts, len(load_prompts(cfg.source))), seed=cfg.seed)
 
 
-def write_prompt_split(path: Path, cfg: DataConfig, keys: list[str]) -> Path:
-    """The prompts behind ``keys`` as JSONL (id, question, answer): a prompt file the benchmark reads, so
-    acceptance can be measured on exactly the prompts a drafter was trained on (held in) or not."""
-    by_id = {p.id: p for p in prompt_pool(cfg)}
+def write_prompt_split(path: Path, pool: list[Prompt], keys: list[str]) -> Path:
+    """The prompts of ``pool`` (:func:`prompt_pool`) behind ``keys`` as JSONL (id, question, answer): a prompt
+    file the benchmark reads, so acceptance can be measured on exactly the prompts a drafter was trained on
+    (held in) or not."""
+    by_id = {p.id: p for p in pool}
     lines = [json.dumps({"id": k, "question": by_id[k].question, "answer": by_id[k].answer}) for k in keys]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from sglang_tts.assets import cache_root, prepare_default_model
-from sglang_tts.training.data import DataConfig, build_sequence_set, write_prompt_split
+from sglang_tts.training.data import DataConfig, build_sequence_set, prompt_pool, write_prompt_split
 from sglang_tts.training.dflash import (
     DFlashObjective,
     DFlashTrainConfig,
@@ -137,6 +137,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     timings["generation_s"] = time.monotonic() - began
     train_idx, held_idx = sequences.split_indices(request.eval_sequences, request.seed)
     train_set, held_set = sequences.subset(train_idx), sequences.subset(held_idx)
+    pool = prompt_pool(request.data)  # the prompts behind the sequences, for the split files
     logger.info(
         "training set: %d sequences (%d answer tokens), held out: %d",
         len(train_set),
@@ -172,7 +173,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
         out = output_dir(request, target_path.name, kind)
         state_dir = out / TRAIN_SUBDIR
         for name, subset in (("held_in", train_set), ("held_out", held_set)):
-            write_prompt_split(state_dir / f"{name}.jsonl", request.data, subset.keys)
+            write_prompt_split(state_dir / f"{name}.jsonl", pool, subset.keys)
         if kind == "eagle3":
             cfg = request.eagle3
             objective = Eagle3Objective(drafter, cfg, train_set, train_feats, target, request.seed)

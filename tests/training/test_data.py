@@ -9,7 +9,7 @@ import torch
 from sglang_tts.data.prompts import load_prompts
 from sglang_tts.testing.reference import hf_greedy
 from sglang_tts.training import data as data_module
-from sglang_tts.training.data import build_sequence_set, prompt_token_ids, write_prompt_split
+from sglang_tts.training.data import build_sequence_set, prompt_pool, prompt_token_ids, write_prompt_split
 
 
 def test_sequences_are_prompt_plus_greedy_answer(sequences, tiny_target, data_config):
@@ -81,7 +81,7 @@ def test_prompt_splits_are_written_as_benchmark_prompt_files(sequences, data_con
     train, held = sequences.split_indices(3, seed=0)
     written = {}
     for name, indices in (("held_in", train), ("held_out", held)):
-        path = write_prompt_split(tmp_path / f"{name}.jsonl", data_config, sequences.subset(indices).keys)
+        path = write_prompt_split(tmp_path / f"{name}.jsonl", prompt_pool(data_config), sequences.subset(indices).keys)
         written[name] = load_prompts(str(path))  # what scripts/bench_long.py --datasets PATH reads
     pool = {p.id: p for p in load_prompts(data_config.source)}
     held_in, held_out = ([p.id for p in written[n]] for n in ("held_in", "held_out"))
