@@ -93,7 +93,8 @@ def train_loop(
     end (or when stopped early). With `resume`, continue from `state_dir`'s state if present."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=optim.betas, weight_decay=optim.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(optim, loop.steps))
+    schedule = lr_lambda(optim, loop.steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     state_file = state_dir / STATE_FILE
     history: list[dict[str, float]] = []
     step = 0
@@ -103,6 +104,15 @@ def train_loop(
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         step, history = int(state["step"]), list(state["history"])
+        # The saved states carry the old peak LR, which would silently beat a new --lr. The
+        # requested LR and total steps govern the rest of the run; with unchanged flags this sets
+        # exactly the LR the saved run would have used, so the resume stays exact.
+        scheduler.base_lrs = [optim.lr] * len(optimizer.param_groups)
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["lr"] = optim.lr, optim.lr * schedule(step)
+        saved_lr = state.get("optim_config", {}).get("lr")
+        if saved_lr is not None and saved_lr != optim.lr:
+            logger.info("resuming with peak lr %g (the saved run used %g)", optim.lr, saved_lr)
         logger.info("resumed from %s at step %d", state_file, step)
     elif resume:
         logger.warning("--resume: no training state at %s, starting from scratch", state_file)
@@ -138,7 +148,7 @@ def train_loop(
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(params, optim.grad_clip if optim.grad_clip > 0 else float("inf"))
         optimizer.step()
-        lr = scheduler.get_last_lr()[0]
+        lr = optimizer.param_groups[0]["lr"]  # the LR this step used
         scheduler.step()
         step += 1
         record = {"step": step, "loss": float(loss.detach()), "lr": lr, "grad_norm": float(grad_norm), **metrics}

@@ -57,6 +57,19 @@ def test_resume_continues_exactly_from_the_saved_step(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path / "b")] == list(range(1, 13))
 
 
+def test_resume_takes_the_requested_learning_rate(tmp_path):
+    # A resumed run with a new --lr (e.g. to train longer, faster) must use it, not the saved one.
+    model, step_fn = _problem()
+    constant = OptimConfig(lr=1e-2, schedule="constant", warmup_ratio=0.0)
+    train_loop(model, step_fn, constant, LoopConfig(steps=4, progress=False), tmp_path, lambda s: None)
+    model2, step_fn2 = _problem()
+    faster = OptimConfig(lr=5e-2, schedule="constant", warmup_ratio=0.0)
+    result = train_loop(
+        model2, step_fn2, faster, LoopConfig(steps=8, progress=False), tmp_path, lambda s: None, resume=True
+    )
+    assert [r["lr"] for r in result.history] == pytest.approx([1e-2] * 4 + [5e-2] * 4)
+
+
 def test_resume_without_state_starts_fresh_and_time_budget_stops(tmp_path):
     model, step_fn = _problem()
     loop = LoopConfig(steps=50, time_budget_s=0.0, progress=False)
