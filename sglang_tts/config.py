@@ -32,7 +32,7 @@ class TTSConfig:
     # Per-request adapters (scope "request"): rank r and alpha (delta = alpha / r * B A), the
     # learning rate of the adapters (LoRA's usual ~10x the full-parameter rate; not yet tuned on the
     # default model), and how many requests may hold an adapter at once (others: frozen drafter).
-    adapter_rank: int = 8
+    adapter_rank: int | Literal["full"] = 8  # "full": a dense per-request delta, trained at `lr`
     adapter_alpha: float = 16.0
     adapter_lr: float = 1e-3
     max_adapted_requests: int = 16
@@ -80,8 +80,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-steps-per-update must be an integer >= 1, got {self.steps_per_update!r}")
         if self.scope not in SCOPES:
             raise TTSConfigError(f"--tts-scope must be one of {'|'.join(SCOPES)}, got {self.scope!r}")
-        if not isinstance(self.adapter_rank, int) or self.adapter_rank < 1:
-            raise TTSConfigError(f"--tts-adapter-rank must be an integer >= 1, got {self.adapter_rank!r}")
+        if self.adapter_rank != "full" and (not isinstance(self.adapter_rank, int) or self.adapter_rank < 1):
+            raise TTSConfigError(f"--tts-adapter-rank must be an integer >= 1 or 'full', got {self.adapter_rank!r}")
         if not isinstance(self.max_adapted_requests, int) or self.max_adapted_requests < 1:
             raise TTSConfigError(f"--tts-max-adapted-requests must be >= 1, got {self.max_adapted_requests!r}")
         if not (0.0 < self.adapter_lr <= 1e-1):

@@ -6,8 +6,9 @@ with ``--tts-freeze``: the same code path as TTS with no updates, tested equal t
 acceptance, and it reports per-round accept lengths, which stock servers do not), ``tts-s{S}``
 (``--tts-update-stride S``) and ``tts-s{S}-sync`` (``--tts-sync`` too). A TTS name may end in a scope:
 ``-batch`` / ``-global`` (``--tts-scope``) or ``-request[-r{R}]`` (per-request adapters, ``--tts-scope request
---tts-adapter-rank R``), e.g. ``tts-s5-request-r8``: the per-request adaptation comparison (issue 9) runs
-every scope on one server schedule. Without a suffix the server's default scope applies. A speculative name applies to
+--tts-adapter-rank R``; ``-rfull``: dense per-request deltas), e.g. ``tts-s5-request-r8``: the per-request
+adaptation comparison (issue 9) runs every scope on one server schedule. Without a suffix the server's
+default scope applies. A speculative name applies to
 every ``--drafter-kind``; ``KIND:NAME`` (e.g. ``eagle3:tts-s5``) to that kind only. Full names are
 ``no-spec`` and ``KIND:NAME``.
 """
@@ -67,7 +68,7 @@ _TAG = r"[A-Za-z0-9_.-]+"  # a --variant tag, as written after "+" in a configur
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
     r"(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
-    rf"(?:-(?P<scope>{'|'.join(SCOPES)})(?:-r(?P<rank>[0-9]+))?)?)"
+    rf"(?:-(?P<scope>{'|'.join(SCOPES)})(?:-r(?P<rank>[0-9]+|full))?)?)"
     rf"(?P<tags>(?:\+{_TAG})*)$"
 )
 
@@ -85,7 +86,7 @@ class ConfigSpec:
     stride: int | None = None
     sync: bool = False
     scope: str | None = None  # --tts-scope; None: the server's default
-    adapter_rank: int | None = None  # --tts-adapter-rank (scope "request" only)
+    adapter_rank: int | str | None = None  # --tts-adapter-rank: R or "full" (scope "request" only)
     tags: tuple[str, ...] = ()  # "+TAG" suffixes: extra launch flags defined with --variant TAG=FLAGS
 
     @property
@@ -157,9 +158,11 @@ def parse_config_name(text: str) -> ConfigSpec:
     scope, rank = match["scope"], match["rank"]
     if rank is not None and scope != "request":
         raise ConfigError(f"{text!r}: an adapter rank (-r<R>) only goes with the request scope (-request-r<R>)")
-    if rank is not None and int(rank) < 1:
-        raise ConfigError(f"{text!r}: the adapter rank must be >= 1")
-    return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, None if rank is None else int(rank), tags)
+    if rank is not None and rank != "full" and int(rank) < 1:
+        raise ConfigError(f"{text!r}: the adapter rank must be >= 1 (or full)")
+    if rank is not None and rank != "full":
+        rank = int(rank)
+    return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, rank, tags)
 
 
 def split_server_args(values: Iterable[str]) -> tuple[str, ...]:

@@ -6,7 +6,10 @@ owns a slot of a `LowRankBank`: for each adapted linear layer y = W x, the reque
 
     y = W x + scale * B_slot (A_slot x)        A_slot [r, in], B_slot [out, r], scale = alpha / r
 
-B starts at zero, so a fresh slot drafts exactly like the base drafter. Slots are separate leaf
+B starts at zero, so a fresh slot drafts exactly like the base drafter. With rank "full" (`FULL_RANK`)
+a slot is instead a dense delta D_slot [out, in] (zero at start): y = W x + D_slot x, a per-request
+copy of every adapted layer (W + D_slot), trained like the full-parameter update. It costs
+out x in floats per layer and slot (rank r: r x (in + out)), three times that with Adam's state. Slots are separate leaf
 parameters: a row's output depends only on its own slot, so one backward over a batch gives each
 slot only its own request's gradient (isolation by construction), and the optimiser skips slots
 without a gradient (torch.optim skips parameters whose .grad is None).
@@ -34,6 +37,7 @@ from torch import nn
 from sglang_tts.core.canvas import Canvas
 
 NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
+FULL_RANK = "full"  # a dense per-request delta of each adapted layer instead of a low-rank one
 
 
 @dataclass(frozen=True)
@@ -62,6 +66,16 @@ def lowrank_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torc
     b [S, out, r], slots [N] (indices into the stacks) -> [N, out]. PyTorch reference."""
     h = torch.bmm(a[slots], x.unsqueeze(-1))  # [N, r, 1]
     return torch.bmm(b[slots], h).squeeze(-1) * scale
+
+
+def dense_delta(x: torch.Tensor, d: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """D[slots[n]] @ x[n] for every row n: x [N, in], d [S, out, in], slots [N] -> [N, out]. One
+    matmul per distinct slot: gathering a [N, out, in] copy per token would cost N full matrices."""
+    out = x.new_zeros(x.shape[0], d.shape[1])
+    for slot in torch.unique(slots).tolist():
+        rows = slots == slot
+        out[rows] = x[rows] @ d[slot].T
+    return out
 
 
 class SlotTable:
@@ -105,19 +119,36 @@ class SlotTable:
 
 
 class LowRankBank(nn.Module):
-    """The trainable per-slot A/B matrices of every adapted layer (one leaf parameter each)."""
+    """The trainable per-slot A/B matrices of every adapted layer (one leaf parameter each); with
+    rank `FULL_RANK`, one dense delta per layer and slot, kept in `b` ([out, in]; `a` is empty)."""
 
     def __init__(
-        self, layers: Sequence[AdaptedLinear], num_slots: int, rank: int, alpha: float | None = None, seed: int = 0
+        self,
+        layers: Sequence[AdaptedLinear],
+        num_slots: int,
+        rank: int | str,
+        alpha: float | None = None,
+        seed: int = 0,
     ) -> None:
         super().__init__()
-        if rank < 1:
-            raise ValueError(f"adapter rank must be >= 1, got {rank}")
+        self.dense = rank == FULL_RANK
+        if not self.dense and not (isinstance(rank, int) and rank >= 1):
+            raise ValueError(f"adapter rank must be an integer >= 1 or {FULL_RANK!r}, got {rank!r}")
         self.layers = list(layers)
         self.index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.num_slots, self.rank = num_slots, rank
-        self.scale = float(alpha if alpha is not None else rank) / rank
         gen = torch.Generator().manual_seed(seed)
+        if self.dense:
+            self.scale = 1.0
+            self.a_init: list[torch.Tensor] = []
+            self.a = nn.ParameterList()
+            self.b = nn.ParameterList(
+                nn.Parameter(torch.zeros(layer.out_features, layer.in_features))
+                for layer in self.layers
+                for _ in range(num_slots)
+            )
+            return
+        self.scale = float(alpha if alpha is not None else rank) / rank
         # LoRA's initialisation: A ~ U(+-1/sqrt(in)), B = 0 (every slot starts at the base drafter).
         self.a_init = [
             (torch.rand(rank, layer.in_features, generator=gen) * 2 - 1) / math.sqrt(layer.in_features)
@@ -141,7 +172,7 @@ class LowRankBank(nn.Module):
         out = []
         for i in range(len(self.layers)):
             k = i * self.num_slots + slot
-            out += [f"bank.a.{k}", f"bank.b.{k}"]
+            out += [f"bank.b.{k}"] if self.dense else [f"bank.a.{k}", f"bank.b.{k}"]
         return out
 
     def slot_of_parameter(self, name: str) -> int:
@@ -154,8 +185,15 @@ class LowRankBank(nn.Module):
     @torch.no_grad()
     def reset_slot(self, slot: int) -> None:
         for i in range(len(self.layers)):
-            self.a_param(i, slot).copy_(self.a_init[i])
+            if not self.dense:
+                self.a_param(i, slot).copy_(self.a_init[i])
             self.b_param(i, slot).zero_()
+
+    def slot_nbytes(self) -> int:
+        """Bytes of one slot's trainable tensors (an Adam optimiser adds twice this while it trains)."""
+        tensors = self.slot_parameter_names(0)
+        params = dict(self.named_parameters(prefix="bank"))
+        return sum(params[n].numel() * params[n].element_size() for n in tensors)
 
     def row_delta(self, layer: int, x: torch.Tensor, row_slots: torch.Tensor) -> torch.Tensor:
         """Differentiable delta for x [B, ..., in] whose batch row b uses slot row_slots[b]
@@ -164,7 +202,11 @@ class LowRankBank(nn.Module):
         flat = x.reshape(b_rows, -1, x.shape[-1])
         out = flat.new_zeros(b_rows, flat.shape[1], self.layers[layer].out_features)
         rows = [r for r in range(b_rows) if int(row_slots[r]) != NO_SLOT]
-        if rows:
+        if rows and self.dense:
+            index = torch.tensor(rows, device=x.device)
+            d = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, in]
+            out = out.index_put((index,), torch.bmm(flat[index], d.transpose(1, 2)))
+        elif rows:
             a = torch.stack([self.a_param(layer, int(row_slots[r])) for r in rows])  # [R, r, in]
             b = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, r]
             index = torch.tensor(rows, device=x.device)
@@ -255,22 +297,24 @@ class AdaptedDrafter(nn.Module):
 
 class ServingBank:
     """The published adapters, stacked per layer for the engine's batched draft forward:
-    a [num_slots + 1, r, in], b [num_slots + 1, out, r]; stack row 0 is the all-zero "no adapter"
-    row, slot s lives in row s + 1. Written only at the Distiller's barrier (publish)."""
+    a [num_slots + 1, r, in], b [num_slots + 1, out, r] (rank full: b [num_slots + 1, out, in], no a);
+    stack row 0 is the all-zero "no adapter" row, slot s lives in row s + 1. Written only at the
+    Distiller's barrier (publish)."""
 
     def __init__(self, bank: LowRankBank, device: torch.device | str = "cpu", dtype: torch.dtype | None = None):
         self.scale = bank.scale
+        self.dense = bank.dense
         self.names = [layer.name for layer in bank.layers]
         self.index = dict(bank.index)
         self.num_slots = bank.num_slots
-        self.a = [
-            torch.zeros(bank.num_slots + 1, bank.rank, layer.in_features, device=device, dtype=dtype or torch.float32)
-            for layer in bank.layers
-        ]
-        self.b = [
-            torch.zeros(bank.num_slots + 1, layer.out_features, bank.rank, device=device, dtype=dtype or torch.float32)
-            for layer in bank.layers
-        ]
+        dtype = dtype or torch.float32
+        rows = bank.num_slots + 1
+        if self.dense:
+            self.a: list[torch.Tensor] = []
+            self.b = [torch.zeros(rows, x.out_features, x.in_features, device=device, dtype=dtype) for x in bank.layers]
+            return
+        self.a = [torch.zeros(rows, bank.rank, x.in_features, device=device, dtype=dtype) for x in bank.layers]
+        self.b = [torch.zeros(rows, x.out_features, bank.rank, device=device, dtype=dtype) for x in bank.layers]
         with torch.no_grad():
             for i in range(len(bank.layers)):
                 for s in range(bank.num_slots):
@@ -282,7 +326,8 @@ class ServingBank:
         for i in range(len(bank.layers)):
             for s in range(bank.num_slots):
                 k = i * bank.num_slots + s
-                out[f"bank.a.{k}"] = self.a[i][s + 1]
+                if not self.dense:
+                    out[f"bank.a.{k}"] = self.a[i][s + 1]
                 out[f"bank.b.{k}"] = self.b[i][s + 1]
         return out
 
@@ -294,6 +339,8 @@ class ServingBank:
     def delta(self, name: str, x: torch.Tensor, stack_rows: torch.Tensor) -> torch.Tensor:
         """Per-token delta of layer `name` for x [N, in] with stack rows [N]."""
         i = self.index[name]
+        if self.dense:
+            return dense_delta(x, self.b[i].to(x.dtype), stack_rows)
         a, b = self.a[i], self.b[i]
         rank = a.shape[1]
         if x.is_cuda and not rank & (rank - 1):

@@ -104,6 +104,15 @@ def validate_server_args(server_args) -> None:
         raise TTSLaunchError("TTS with a DFlash drafter does not support --speculative-draft-window-size")
     if config.scope == "request" and int(getattr(server_args, "tp_size", 1) or 1) > 1:
         raise TTSLaunchError("--tts-scope request (per-request adapters) needs --tp-size 1; use --tts-scope batch")
+    if (
+        config.scope == "request"
+        and config.adapter_rank == "full"
+        and getattr(server_args, "device", "cpu") == "cuda"
+        and not getattr(server_args, "disable_cuda_graph", False)
+    ):
+        # Dense per-request deltas pick one matmul per request present (a host-side loop over a
+        # data-dependent set), which a captured CUDA graph cannot replay.
+        raise TTSLaunchError("--tts-adapter-rank full needs --disable-cuda-graph on CUDA (or use a rank r)")
     if config.controller is not None:
         from sglang_tts.sglang.controller import prepare_launch
 

@@ -61,4 +61,7 @@ def make_runtime(drafter, config, draft_model, device, pool_size: int):
         return TTSRuntime(drafter, config, bind_draft_publisher(drafter, draft_model), device)
     adapted = adapters_from_config(drafter, config).to(device)
     serving = ServingAdapters(draft_model, adapted, device, pool_size)
-    return TTSRuntime(adapted, replace(config, lr=config.adapter_lr), serving.publisher, device, serving)
+    # Low-rank adapters train at their own (LoRA-sized) rate; a dense delta is a per-request copy of
+    # the adapted layers and trains at the full-parameter rate.
+    lr = config.lr if config.adapter_rank == "full" else config.adapter_lr
+    return TTSRuntime(adapted, replace(config, lr=lr), serving.publisher, device, serving)

@@ -31,6 +31,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _adapter_rank(text: str) -> int | str:
+    return "full" if text.strip().lower() == "full" else _positive_int(text)
+
+
 def _float_list(text: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in text.split(",") if x.strip())
@@ -59,7 +63,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "Shared drafter reset per batch, per-request adapters, or never.",
         },
     ),
-    "--tts-adapter-rank": ("adapter_rank", {"type": _positive_int, "help": "Rank of per-request adapters."}),
+    "--tts-adapter-rank": (
+        "adapter_rank",
+        {"type": _adapter_rank, "help": "Rank of per-request adapters, or 'full' (a dense per-request delta)."},
+    ),
     "--tts-adapter-alpha": (
         "adapter_alpha",
         {"type": float, "help": "Per-request adapter scale alpha (delta = alpha/r BA)."},

@@ -89,7 +89,10 @@ class TTSRuntime:
         """One line for the worker's start-up log."""
         cfg = self.config
         mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else "async")
-        adapters = f", r {cfg.adapter_rank}, {cfg.max_adapted_requests} slots" if self.slots is not None else ""
+        adapters = ""
+        if self.slots is not None:
+            slot_mb = self.drafter.bank.slot_nbytes() / 2**20
+            adapters = f", r {cfg.adapter_rank}, {cfg.max_adapted_requests} slots of {slot_mb:.1f} MB (+2x Adam state)"
         return (
             f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}, "
             f"{len(self.distiller.train_params)} trainable tensors"

@@ -61,7 +61,7 @@ def test_config_names_expand_per_kind_with_their_launch_flags():
 
 def test_scope_suffixes_become_scope_and_adapter_rank_flags():
     configs = build_configs(
-        ["frozen", "tts-s5-batch", "tts-s5-request-r8", "tts-s1-sync-global", "tts-s5-request"],
+        ["frozen", "tts-s5-batch", "tts-s5-request-r8", "tts-s1-sync-global", "tts-s5-request", "tts-s5-request-rfull"],
         ["eagle3"],
         {"eagle3": "/e"},
     )
@@ -72,10 +72,13 @@ def test_scope_suffixes_become_scope_and_adapter_rank_flags():
         "eagle3:tts-s5-request-r8",
         "eagle3:tts-s1-sync-global",
         "eagle3:tts-s5-request",
+        "eagle3:tts-s5-request-rfull",
     ]
     args = list(by["eagle3:tts-s5-request-r8"].server_args)
     assert args[args.index("--tts-scope") + 1] == "request" and args[args.index("--tts-adapter-rank") + 1] == "8"
     assert by["eagle3:tts-s5-request-r8"].scope == "request" and by["eagle3:tts-s5-batch"].scope == "batch"
+    full = list(by["eagle3:tts-s5-request-rfull"].server_args)
+    assert full[full.index("--tts-adapter-rank") + 1] == "full"
     plain = list(by["eagle3:tts-s5-request"].server_args)
     assert "--tts-adapter-rank" not in plain and plain[plain.index("--tts-scope") + 1] == "request"
     glob = by["eagle3:tts-s1-sync-global"]

@@ -1,4 +1,5 @@
-"""Per-request low-rank adapters: isolation, divergence, slot lifecycle, serving/training agreement."""
+"""Per-request adapters (low-rank and dense "full"): isolation, divergence, slot lifecycle, serving/training
+agreement."""
 
 from __future__ import annotations
 
@@ -9,7 +10,15 @@ import torch
 from core_testing import TinyDrafter, TinyTeacher, random_canvas
 
 from sglang_tts.config import TTSConfig
-from sglang_tts.core.adapters import NO_SLOT, AdaptedDrafter, ServingBank, SlotTable, lowrank_delta
+from sglang_tts.core.adapters import (
+    FULL_RANK,
+    NO_SLOT,
+    AdaptedDrafter,
+    ServingBank,
+    SlotTable,
+    dense_delta,
+    lowrank_delta,
+)
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import SyncExecutor
 from sglang_tts.core.publish import WeightPublisher
@@ -22,7 +31,12 @@ def _config(**overrides: Any) -> TTSConfig:
     return TTSConfig(**{**base, **overrides})
 
 
-def _adapted(num_slots: int = 4, rank: int = 4) -> AdaptedDrafter:
+@pytest.fixture(params=[4, FULL_RANK], ids=["rank4", "full"])
+def rank(request) -> int | str:
+    return request.param
+
+
+def _adapted(rank: int | str, num_slots: int = 4) -> AdaptedDrafter:
     return AdaptedDrafter(TinyDrafter(seed=0), num_slots=num_slots, rank=rank, layers=LAYERS)
 
 
@@ -40,16 +54,16 @@ def _teacher_canvas(teachers, generator, slots):
     return _with_slots(canvas, slots)
 
 
-def test_a_fresh_slot_drafts_exactly_like_the_base_drafter(generator):
-    drafter = _adapted()
+def test_a_fresh_slot_drafts_exactly_like_the_base_drafter(generator, rank):
+    drafter = _adapted(rank)
     canvas = random_canvas(generator, batch=3)
     base = drafter.base.canvas_logits(canvas)
     assert torch.equal(drafter.canvas_logits(_with_slots(canvas, [0, NO_SLOT, 2])), base)
 
 
-def test_one_backward_gives_each_request_only_its_own_gradient(generator):
+def test_one_backward_gives_each_request_only_its_own_gradient(generator, rank):
     """The batched loss's gradient on slot 0 equals the gradient of row 0's loss alone."""
-    drafter = _adapted()
+    drafter = _adapted(rank)
     teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
     canvas = _teacher_canvas([teacher_a, teacher_b], generator, [0, 1])
     with torch.no_grad():  # move B off zero so A's gradient is non-trivial too
@@ -82,8 +96,8 @@ def _row(canvas, i):
     return out
 
 
-def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_diverge(generator):
-    drafter = _adapted()
+def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_diverge(generator, rank):
+    drafter = _adapted(rank)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     serving = distiller.serving_drafter
     teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
@@ -120,8 +134,8 @@ def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_dive
     assert agreement(0, 0) > agreement(NO_SLOT, 0) + 0.2
 
 
-def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(generator):
-    drafter = _adapted()
+def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(generator, rank):
+    drafter = _adapted(rank)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     teacher = TinyTeacher(seed=11)
     distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
@@ -135,8 +149,8 @@ def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(gen
     assert any(not torch.equal(after[n], slot1[n]) for n in distiller.trained_drafter.bank.slot_parameter_names(0))
 
 
-def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(generator):
-    drafter = _adapted(num_slots=2)
+def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(generator, rank):
+    drafter = _adapted(rank, num_slots=2)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     initial = {n: p.detach().clone() for n, p in distiller.trained_drafter.trainable_named_parameters()}
     teacher = TinyTeacher(seed=11)
@@ -167,9 +181,9 @@ def test_slot_table_caps_counts_and_reuses_slots():
         SlotTable(0)
 
 
-def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator):
+def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator, rank):
     """Per-token gathered deltas on the published stacks == the training path's per-row deltas."""
-    drafter = _adapted(num_slots=3)
+    drafter = _adapted(rank, num_slots=3)
     with torch.no_grad():
         for p in (*drafter.bank.a, *drafter.bank.b):
             p.normal_()
@@ -195,3 +209,16 @@ def test_lowrank_delta_reference_matches_the_dense_formula(generator):
     slots = torch.tensor([0, 2, 1, 1, 0, 2, 2])
     dense = torch.stack([0.5 * b[s] @ a[s] @ x[n] for n, s in enumerate(slots.tolist())])
     torch.testing.assert_close(lowrank_delta(x, a, b, slots, 0.5), dense)
+
+
+def test_dense_delta_matches_the_per_row_formula_and_full_slots_cost_out_times_in(generator):
+    d = torch.randn(3, 5, 6, generator=generator)
+    x = torch.randn(7, 6, generator=generator)
+    slots = torch.tensor([0, 2, 1, 1, 0, 2, 2])
+    expected = torch.stack([d[s] @ x[n] for n, s in enumerate(slots.tolist())])
+    torch.testing.assert_close(dense_delta(x, d, slots), expected)
+    full, low = _adapted(FULL_RANK).bank, _adapted(4).bank
+    assert full.slot_nbytes() == 4 * sum(x.out_features * x.in_features for x in full.layers)
+    assert low.slot_nbytes() == 4 * sum(4 * (x.out_features + x.in_features) for x in low.layers)
+    with pytest.raises(ValueError, match="full"):
+        _adapted("half")

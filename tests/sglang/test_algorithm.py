@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_tts.sglang.algorithm import KIND_ENV, TTSLaunchError, resolve_drafter, validate_server_args
+from sglang_tts.sglang.flags import ENV_VAR
 from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
 
 
@@ -60,3 +61,18 @@ def test_a_missing_drafter_is_refused(tiny_llama, tmp_path):
         resolve_drafter(None, str(tiny_llama))
     with pytest.raises(TTSLaunchError, match="no config.json"):
         resolve_drafter(str(tmp_path), str(tiny_llama))
+
+
+def test_dense_per_request_adapters_refuse_cuda_graphs_at_launch(tiny_llama, tmp_path, monkeypatch):
+    # Dense deltas loop over the requests present, which a captured CUDA graph cannot replay.
+    monkeypatch.setenv(KIND_ENV, "eagle3")
+    monkeypatch.setenv(ENV_VAR, json.dumps({"scope": "request", "adapter_rank": "full"}))
+    drafter = str(write_tiny_eagle3(tmp_path / "e3", _target_config(tiny_llama)))
+
+    def args(**kw):
+        return SimpleNamespace(speculative_draft_model_path=drafter, model_path=str(tiny_llama), **kw)
+
+    with pytest.raises(TTSLaunchError, match="--disable-cuda-graph"):
+        validate_server_args(args(device="cuda", disable_cuda_graph=False))
+    validate_server_args(args(device="cuda", disable_cuda_graph=True))
+    validate_server_args(args(device="cpu"))

@@ -27,9 +27,11 @@ def test_defaults_without_flags(parser):
 def test_flags_reach_the_config(parser):
     parser.parse_args(
         ["--tts-update-stride", "2", "--tts-lr", "3e-5", "--tts-scope", "global", "--tts-freeze",
-         "--tts-position-weights", "1,0.5", "--tts-trainable", "fc,layers", "--tts-sync"]
+         "--tts-position-weights", "1,0.5", "--tts-trainable", "fc,layers", "--tts-sync",
+         "--tts-adapter-rank", "full"]
     )  # fmt: skip
     cfg = flags.tts_config_from_env()
+    assert cfg.adapter_rank == "full"
     assert cfg.update_stride == 2 and cfg.lr == 3e-5 and cfg.scope == "global"
     assert cfg.freeze and cfg.sync
     assert cfg.position_weights == (1.0, 0.5) and cfg.trainable == ("fc", "layers")
@@ -43,6 +45,8 @@ def test_flags_reach_the_config(parser):
         (["--tts-lr", "-1"], "--tts-lr must be > 0"),
         (["--tts-scope", "batchy"], "invalid choice"),
         (["--tts-reg-lambda", "-0.5"], "--tts-reg-lambda must be >= 0"),
+        (["--tts-adapter-rank", "0"], "must be an integer >= 1"),
+        (["--tts-adapter-rank", "half"], "expected an integer"),
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(parser, argv, message, capsys):

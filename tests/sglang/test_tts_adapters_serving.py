@@ -127,3 +127,32 @@ def test_dflash_drafters_adapt_per_request_too(loopy_llama, loopy_dflash):
         assert meta["tts_fallback_checked"] > 0 and meta["tts_fallback_mismatches"] == 0
         assert meta["tts_weight_digest_end"] != meta["tts_weight_digest_start"]
     assert results[0]["meta_info"]["tts_weight_digest_end"] != results[1]["meta_info"]["tts_weight_digest_end"]
+
+
+def test_dense_per_request_deltas_adapt_each_request_and_beat_the_frozen_drafter(loopy_llama, loopy_eagle3):
+    """`--tts-adapter-rank full`: a dense delta per request (a per-request copy of the adapted
+    layers). Two slots, three requests: the third, a repeat of A, finds no slot and drafts frozen,
+    which gives A's adapted run a baseline on the very same output."""
+    args = [
+        "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3), *CHAIN,
+        "--tts-scope", "request", "--tts-adapter-rank", "full", "--tts-update-stride", "2", "--tts-sync",
+        "--tts-lr", "1e-2", "--tts-max-adapted-requests", "2",
+    ]  # fmt: skip
+    with sglang_server(str(loopy_llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
+        a, b, a_frozen = _run_together(server.base_url, [PROMPT_A, PROMPT_B, PROMPT_A], stagger_s=0.5)
+    for result, prompt in ((a, PROMPT_A), (b, PROMPT_B), (a_frozen, PROMPT_A)):
+        assert result["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        assert result["meta_info"]["tts_fallback_mismatches"] == 0
+    meta_a, meta_b, meta_frozen = a["meta_info"], b["meta_info"], a_frozen["meta_info"]
+    assert meta_frozen["tts_adapter_capped"] == 1 and meta_frozen["tts_num_updates"] == 0
+    for meta in (meta_a, meta_b):
+        assert meta["tts_adapter_capped"] == 0 and meta["tts_num_updates"] > 0
+        assert meta["tts_fallback_checked"] > 0
+    assert meta_a["tts_weight_digest_start"] == meta_b["tts_weight_digest_start"]
+    assert meta_a["tts_weight_digest_end"] != meta_b["tts_weight_digest_end"]
+
+    def late(meta):
+        lengths = meta["tts_accept_lengths"]
+        return statistics.mean(lengths[len(lengths) // 2 :])
+
+    assert late(meta_a) > late(meta_frozen) + 0.1, (late(meta_a), late(meta_frozen))
