@@ -8,6 +8,7 @@ from typing import Literal
 Scope = Literal["batch", "request", "global"]
 SCOPES = ("batch", "request", "global")
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
+FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
 
 class TTSConfigError(ValueError):
@@ -80,7 +81,7 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-steps-per-update must be an integer >= 1, got {self.steps_per_update!r}")
         if self.scope not in SCOPES:
             raise TTSConfigError(f"--tts-scope must be one of {'|'.join(SCOPES)}, got {self.scope!r}")
-        if self.adapter_rank != "full" and (not isinstance(self.adapter_rank, int) or self.adapter_rank < 1):
+        if self.adapter_rank != FULL_RANK and (not isinstance(self.adapter_rank, int) or self.adapter_rank < 1):
             raise TTSConfigError(f"--tts-adapter-rank must be an integer >= 1 or 'full', got {self.adapter_rank!r}")
         if not isinstance(self.max_adapted_requests, int) or self.max_adapted_requests < 1:
             raise TTSConfigError(f"--tts-max-adapted-requests must be >= 1, got {self.max_adapted_requests!r}")

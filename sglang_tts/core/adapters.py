@@ -34,10 +34,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from sglang_tts.config import FULL_RANK
 from sglang_tts.core.canvas import Canvas
 
 NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
-FULL_RANK = "full"  # a dense per-request delta of each adapted layer instead of a low-rank one
 
 
 @dataclass(frozen=True)

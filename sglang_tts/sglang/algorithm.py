@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from sglang_tts.config import FULL_RANK
 from sglang_tts.drafters.common import UnsupportedDrafterConfigError, text_config
 from sglang_tts.drafters.dflash import DFlashConfig
 from sglang_tts.drafters.loading import IncompatibleDrafterError, check_compatible, drafter_kind
@@ -106,7 +107,7 @@ def validate_server_args(server_args) -> None:
         raise TTSLaunchError("--tts-scope request (per-request adapters) needs --tp-size 1; use --tts-scope batch")
     if (
         config.scope == "request"
-        and config.adapter_rank == "full"
+        and config.adapter_rank == FULL_RANK
         and getattr(server_args, "device", "cpu") == "cuda"
         and not getattr(server_args, "disable_cuda_graph", False)
     ):

@@ -54,6 +54,7 @@ def make_runtime(drafter, config, draft_model, device, pool_size: int):
     (scopes batch / global), or per-request adapters hooked into it (scope request)."""
     from dataclasses import replace
 
+    from sglang_tts.config import FULL_RANK
     from sglang_tts.sglang.adapters import ServingAdapters, adapters_from_config
     from sglang_tts.sglang.runtime import TTSRuntime
 
@@ -63,5 +64,5 @@ def make_runtime(drafter, config, draft_model, device, pool_size: int):
     serving = ServingAdapters(draft_model, adapted, device, pool_size)
     # Low-rank adapters train at their own (LoRA-sized) rate; a dense delta is a per-request copy of
     # the adapted layers and trains at the full-parameter rate.
-    lr = config.lr if config.adapter_rank == "full" else config.adapter_lr
+    lr = config.lr if config.adapter_rank == FULL_RANK else config.adapter_lr
     return TTSRuntime(adapted, replace(config, lr=lr), serving.publisher, device, serving)

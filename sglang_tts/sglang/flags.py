@@ -16,7 +16,7 @@ import multiprocessing
 import os
 from typing import Any
 
-from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.config import FULL_RANK, TTSConfig, TTSConfigError
 
 ENV_VAR = "SGLANG_TTS_CONFIG"
 
@@ -32,7 +32,7 @@ def _positive_int(text: str) -> int:
 
 
 def _adapter_rank(text: str) -> int | str:
-    return "full" if text.strip().lower() == "full" else _positive_int(text)
+    return FULL_RANK if text.strip().lower() == FULL_RANK else _positive_int(text)
 
 
 def _float_list(text: str) -> tuple[float, ...]:
