@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_tts.platform.cpu.attention import _sdpa, target_verify_mask
+from sglang_tts.platform.cpu.attention import _sdpa, target_verify_mask, verify_plan
 
 
 def test_chain_is_causal_over_drafts_and_sees_whole_prefix():
@@ -45,3 +45,21 @@ def test_sdpa_matches_explicit_softmax_attention_with_gqa_and_mask():
     scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
     ref = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), vv)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_verify_plan_is_built_once_per_forward_and_rebuilt_for_new_contents():
+    req_to_token = torch.arange(40, dtype=torch.int32).view(2, 20)
+    spec = SimpleNamespace(tree_topk=1, custom_mask=None)
+    batch = SimpleNamespace(seq_lens=torch.tensor([3, 5]), req_pool_indices=torch.tensor([1, 0]), spec_info=spec)
+    plan = verify_plan(batch, req_to_token, 4, False, "cpu")
+    assert verify_plan(batch, req_to_token, 4, False, "cpu") is plan  # the next layer reuses it
+    (slots0, mask0), (slots1, mask1) = plan
+    assert slots0.dtype == torch.long and torch.equal(slots0, torch.arange(20, 27))
+    assert torch.equal(slots1, torch.arange(0, 9))
+    assert torch.equal(mask0, target_verify_mask(3, 4, spec, 0, False))
+    assert torch.equal(mask1, target_verify_mask(5, 4, spec, 1, False))
+
+    batch.seq_lens = torch.tensor([4, 5])  # the same object with other contents: a fresh plan
+    again = verify_plan(batch, req_to_token, 4, False, "cpu")
+    assert again is not plan and torch.equal(again[0][0], torch.arange(20, 28))
+    assert all(m.all() for _, m in verify_plan(batch, req_to_token, 4, True, "cpu"))
