@@ -137,7 +137,6 @@ class LowRankBank(nn.Module):
         self.layers = list(layers)
         self.index = {layer.name: i for i, layer in enumerate(self.layers)}
         self.num_slots, self.rank = num_slots, rank
-        gen = torch.Generator().manual_seed(seed)
         if self.dense:
             self.scale = 1.0
             self.a_init: list[torch.Tensor] = []
@@ -149,6 +148,7 @@ class LowRankBank(nn.Module):
             )
             return
         self.scale = float(alpha if alpha is not None else rank) / rank
+        gen = torch.Generator().manual_seed(seed)
         # LoRA's initialisation: A ~ U(+-1/sqrt(in)), B = 0 (every slot starts at the base drafter).
         self.a_init = [
             (torch.rand(rank, layer.in_features, generator=gen) * 2 - 1) / math.sqrt(layer.in_features)
@@ -202,17 +202,16 @@ class LowRankBank(nn.Module):
         flat = x.reshape(b_rows, -1, x.shape[-1])
         out = flat.new_zeros(b_rows, flat.shape[1], self.layers[layer].out_features)
         rows = [r for r in range(b_rows) if int(row_slots[r]) != NO_SLOT]
-        if rows and self.dense:
-            index = torch.tensor(rows, device=x.device)
-            d = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, in]
-            out = out.index_put((index,), torch.bmm(flat[index], d.transpose(1, 2)))
-        elif rows:
+        if not rows:
+            return out.reshape(*x.shape[:-1], -1)
+        index = torch.tensor(rows, device=x.device)
+        b = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, r or in]
+        if self.dense:
+            delta = torch.bmm(flat[index], b.transpose(1, 2))
+        else:
             a = torch.stack([self.a_param(layer, int(row_slots[r])) for r in rows])  # [R, r, in]
-            b = torch.stack([self.b_param(layer, int(row_slots[r])) for r in rows])  # [R, out, r]
-            index = torch.tensor(rows, device=x.device)
             delta = torch.bmm(torch.bmm(flat[index], a.transpose(1, 2)), b.transpose(1, 2)) * self.scale
-            out = out.index_put((index,), delta)
-        return out.reshape(*x.shape[:-1], -1)
+        return out.index_put((index,), delta).reshape(*x.shape[:-1], -1)
 
 
 class _RowDeltaHook:
