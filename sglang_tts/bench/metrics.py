@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
+from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import RequestRecord, parse_mode
 
 ALL = "all"  # the dataset label of the pooled-over-datasets rows
@@ -247,7 +248,18 @@ def output_agreement(records: Sequence[RequestRecord]) -> dict[str, Any]:
     for r in records:
         by_prompt.setdefault(r.prompt_id, set()).add(r.output_digest)
     differing = sorted(pid for pid, digests in by_prompt.items() if len(digests) > 1)
-    return {"prompts": len(by_prompt), "differing": differing}
+    return {"prompts": len(by_prompt), "differing": differing, "repetitive": repetitive_outputs(records)}
+
+
+def repetitive_outputs(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """The requests whose last quarter repeats itself (distinct 4-gram share below REPETITIVE_BELOW): late
+    acceptance there measures a loop (see sglang_tts.bench.repetition)."""
+    out = []
+    for r in records:
+        last = (r.distinct_ngrams or [None] * 4)[-1]
+        if last is not None and last < REPETITIVE_BELOW:
+            out.append({"config": r.config, "prompt_id": r.prompt_id, "round": r.round, "last_quarter": last})
+    return out
 
 
 def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], bucket: int) -> Aggregates:

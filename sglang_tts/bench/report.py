@@ -18,6 +18,7 @@ from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
 from sglang_tts.bench.metrics import ALL, GREEDY, Aggregates, Summary
+from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import parse_mode
 
 # Plot file stems; each run writes ``<stem>_<sampling>.png`` (sampling: greedy, t0.7, ...).
@@ -295,6 +296,22 @@ def losses(aggregates: Aggregates) -> list[str]:
     return out
 
 
+def repetition_sentence(repetitive: Sequence[Mapping[str, Any]]) -> str:
+    """Which outputs loop in their last quarter (from ``output_agreement``'s ``repetitive`` list)."""
+    if not repetitive:
+        return (
+            f"Repetition: no output's last quarter fell below {REPETITIVE_BELOW:.0%} distinct word 4-grams (no loops)."
+        )
+    by_prompt: dict[str, list[str]] = {}
+    for item in repetitive:
+        by_prompt.setdefault(str(item["prompt_id"]), []).append(f"{item['config']} {fmt(item['last_quarter'])}")
+    listed = "; ".join(f"{pid} ({', '.join(entries)})" for pid, entries in sorted(by_prompt.items()))
+    return (
+        f"Repetition: the last quarter of these outputs has under {REPETITIVE_BELOW:.0%} distinct word 4-grams, "
+        f"i.e. the text loops and late acceptance there measures the loop: {listed}."
+    )
+
+
 def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
     """Per sampling mode run at several concurrencies: each configuration's acceptance (gain over the frozen
     drafter of its kind, in tokens per round) and tokens/s (ratio to frozen) side by side per concurrency.
@@ -406,6 +423,7 @@ def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], lev
             "Temperature sampling: outputs differ between configurations, so per-position numbers compare "
             "different texts; only the distribution is shared."
         )
+    out += ["", repetition_sentence(agreement.get("repetitive") or [])]
     mine = [p for p in plots if Path(p).stem.endswith(f"_{label}")]
     if mine:
         out += ["", f"{level} Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in mine]
@@ -478,6 +496,8 @@ def render_markdown(
         "- updates-free tok/s (sync only): tokens / (wall - update time): what that acceptance would give if "
         "updates were free; an optimistic bound for the asynchronous executor (it ignores that overlapped "
         "updates still compete for cores).",
+        "- repetition: share of distinct word 4-grams in each quarter of an output's text (`distinct_ngrams` in "
+        f"results.json); a last quarter below {REPETITIVE_BELOW:.0%} loops, which `--ignore-eos` invites.",
     ]
     return "\n".join(out) + "\n"
 

@@ -39,6 +39,7 @@ from typing import Any
 from tqdm import tqdm
 
 from sglang_tts.bench.configs import BenchConfig
+from sglang_tts.bench.repetition import distinct_by_quarter
 from sglang_tts.bench.workload import BenchPrompt
 
 DETAILS = {"tts_return_accept_lengths": True}
@@ -122,6 +123,7 @@ class RequestRecord:
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
     concurrency: int = 1  # requests sent together (the wave size; 1 = sequential)
     wave_wall_s: float | None = None  # first request sent -> last response of its wave (concurrency > 1)
+    distinct_ngrams: list[float | None] | None = None  # distinct word 4-gram share per quarter of the text
 
     @property
     def tokens_per_s(self) -> float:
@@ -202,6 +204,7 @@ class Response:
     completion_tokens: int
     prompt_tokens: int | None
     output_digest: str
+    text: str | None = None
 
 
 def _digest(value: Any) -> str:
@@ -246,6 +249,7 @@ def send_generate(
         int(meta.get("completion_tokens", len(out.get("output_ids") or []))),
         meta.get("prompt_tokens"),
         _digest(out.get("output_ids", out.get("text"))),
+        out.get("text"),
     )
 
 
@@ -288,6 +292,7 @@ def send_openai(
         int(usage.completion_tokens if usage else meta.get("completion_tokens", 0)),
         usage.prompt_tokens if usage else meta.get("prompt_tokens"),
         _digest(choice.message.content),
+        choice.message.content,
     )
 
 
@@ -327,6 +332,7 @@ def record_from_response(
         tts_update_ms=_opt(meta, "tts_update_ms", float),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
         output_digest=response.output_digest,
+        distinct_ngrams=None if response.text is None else distinct_by_quarter(response.text),
     )
 
 

@@ -16,6 +16,7 @@ from sglang_tts.bench.report import (
     concurrency_tables,
     losses,
     position_table,
+    repetition_sentence,
     throughput_table,
     write_json,
     write_plots,
@@ -115,6 +116,18 @@ def test_finish_writes_results_report_and_plots_per_sampling_mode(tmp_path):
     assert "![acceptance_by_position_greedy](acceptance_by_position_greedy.png)" in report
     assert "11 server starts (30 s each on average)" in report
     assert "Greedy decoding: all configurations produced identical outputs on 2 of 2 prompts." in report
+    assert "Repetition: no output's last quarter fell below 50% distinct word 4-grams (no loops)." in report
+
+
+def test_repetition_sentence_names_the_looping_outputs_per_prompt():
+    sentence = repetition_sentence(
+        [
+            {"config": "eagle3:frozen", "prompt_id": "p1", "round": 0, "last_quarter": 0.12},
+            {"config": "eagle3:tts-s2", "prompt_id": "p1", "round": 0, "last_quarter": 0.1},
+            {"config": "eagle3:tts-s2", "prompt_id": "p0", "round": 0, "last_quarter": 0.4},
+        ]
+    )
+    assert sentence.endswith("loop: p0 (eagle3:tts-s2 0.40); p1 (eagle3:frozen 0.12, eagle3:tts-s2 0.10).")
 
 
 def test_rerender_recomputes_with_another_bucket_and_reports_failures(tmp_path):

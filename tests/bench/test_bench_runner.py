@@ -155,6 +155,10 @@ def test_schedule_rotates_the_configuration_order_per_round():
     assert interleave([[1, 2, 3], ["a"]]) == [1, "a", 2, 3]
 
 
+# 16 distinct words, then a 16-word loop of one word: quarters of 8 words.
+_FAKE_TEXT = " ".join([f"w{i}" for i in range(16)] + ["loop"] * 16)
+
+
 class _FakeSGLang(BaseHTTPRequestHandler):
     """Answers /v1/chat/completions like SGLang does with return_meta_info."""
 
@@ -182,7 +186,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": "one two three"},
+                    "message": {"role": "assistant", "content": _FAKE_TEXT},
                     "finish_reason": "length",
                     "meta_info": meta,
                 }
@@ -225,6 +229,7 @@ def test_openai_request_carries_custom_params_and_reads_meta_info():
     assert record.accept_lengths == [1, 3, 3] and record.spec_verify_ct == 3
     assert record.tts_num_updates == 3 and record.tts_update_ms == 12.5 and record.finish_reason == "length"
     assert record.tokens_per_s == pytest.approx(16.0)
+    assert record.distinct_ngrams == [1.0, 1.0, 0.2, 0.2]  # 5 four-grams per quarter; the loop has 1 distinct
 
 
 def test_runner_settings_default_to_the_openai_api_and_greedy():

@@ -52,7 +52,8 @@ def test_every_configuration_ran_every_prompt(smoke_run):
 
 
 def test_tts_accepts_more_than_frozen_and_outputs_agree(smoke_run):
-    aggregates = json.loads((smoke_run / "results.json").read_text())["aggregates"]["greedy"]
+    data = json.loads((smoke_run / "results.json").read_text())
+    aggregates = data["aggregates"]["greedy"]
     summaries = {(s["config"], s["dataset"]): s for s in aggregates["summaries"]}
     assert aggregates["datasets"] == ["smoke-count", "smoke-story"]
     for kind in ("eagle3", "dflash"):
@@ -67,7 +68,10 @@ def test_tts_accepts_more_than_frozen_and_outputs_agree(smoke_run):
         assert [b["start"] for b in tts["buckets"]] == list(range(0, 256, 32))
     assert aggregates["best_tts"] == {"eagle3": "eagle3:tts-s1", "dflash": "dflash:tts-s1"}
     # Greedy speculative decoding is lossless: every configuration wrote the same text.
-    assert aggregates["output_agreement"] == {"prompts": 2, "differing": []}
+    agreement = aggregates["output_agreement"]
+    assert (agreement["prompts"], agreement["differing"]) == (2, [])
+    # Every request's text was scored for repetition, quarter by quarter.
+    assert all(len(r["distinct_ngrams"]) == 4 for r in data["requests"])
 
 
 def test_report_and_plots_are_written(smoke_run):
