@@ -15,6 +15,9 @@ temperature: :func:`aggregate_by_sampling`), never pooled across modes.
 * throughput: completion tokens / client-side wall seconds, pooled (total tokens / total seconds). At
   concurrency c > 1 (modes ``greedy-c4``...) a request's seconds are its wave's wall time / c, so the
   pooled number is the server's output rate with c requests in flight.
+* acceptance on new text: pooled over the rounds that start in a quarter of their output whose
+  distinct word 4-gram share is at least ``REPETITIVE_BELOW`` (see ``sglang_tts.bench.repetition``):
+  a loop is easy to draft once seen, so this separates adapting to the request from learning a loop.
 * update cost: ``tts_update_ms`` (time inside updates, overlapped with serving unless ``--tts-sync``);
   per update and as a fraction of wall time.
 * updates-free bound (sync configurations only): completion tokens / (wall - update time). With
@@ -53,6 +56,20 @@ def rounds_from(record: RequestRecord, fraction: float) -> list[int]:
     lengths = record.accept_lengths or []
     threshold = fraction * record.completion_tokens
     return [n for n, start in zip(lengths, round_starts(lengths)) if start >= threshold]
+
+
+def rounds_in_new_text(record: RequestRecord) -> list[int]:
+    """Accept lengths of the rounds starting in a quarter of the output that does not loop (distinct word
+    4-gram share at least REPETITIVE_BELOW); empty for records without text scores."""
+    lengths, shares = record.accept_lengths or [], record.distinct_ngrams
+    if not lengths or not shares or record.completion_tokens <= 0:
+        return []
+    out = []
+    for n, start in zip(lengths, round_starts(lengths)):
+        share = shares[min(3, 4 * start // record.completion_tokens)]
+        if share is not None and share >= REPETITIVE_BELOW:
+            out.append(n)
+    return out
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -126,6 +143,7 @@ class Summary:
     ms_per_update: float | None = None
     update_wall_fraction: float | None = None
     updates_free_tokens_per_s: float | None = None
+    accept_new_text: float | None = None  # rounds in quarters that do not loop (rounds_in_new_text)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -168,6 +186,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         ms_per_update=update_ms / updates if update_ms is not None and updates else None,
         update_wall_fraction=update_ms / 1000 / wall if update_ms is not None and wall > 0 else None,
         updates_free_tokens_per_s=free,
+        accept_new_text=_mean([n for r in records for n in rounds_in_new_text(r)]),
     )
 
 
@@ -198,6 +217,7 @@ class Comparison:
     second_half_gain: float | None  # tts - frozen, tokens per round, rounds in the second half
     last_quarter_gain_pct: float | None
     tokens_per_s_ratio: float | None  # tts / frozen
+    new_text_gain_pct: float | None = None  # acceptance gain over the quarters that do not loop
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -212,6 +232,7 @@ def compare(tts: Summary, frozen: Summary) -> Comparison:
         second_half_gain=_diff(tts.accept_second_half, frozen.accept_second_half),
         last_quarter_gain_pct=_pct(tts.accept_last_quarter, frozen.accept_last_quarter),
         tokens_per_s_ratio=_ratio(tts.tokens_per_s, frozen.tokens_per_s),
+        new_text_gain_pct=_pct(tts.accept_new_text, frozen.accept_new_text),
     )
 
 

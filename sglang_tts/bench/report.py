@@ -144,6 +144,7 @@ def acceptance_tables(aggregates: Aggregates) -> str:
         for label, attr, gain in (
             ("whole output", "accept_mean", "accept_gain_pct"),
             ("last quarter of each output", "accept_last_quarter", "last_quarter_gain_pct"),
+            ("quarters of each output that do not loop", "accept_new_text", "new_text_gain_pct"),
         ):
             header = ["dataset", "frozen", *(s.config.split(":", 1)[1] for s in tts)]
             rows = []
@@ -497,7 +498,8 @@ def render_markdown(
         "updates were free; an optimistic bound for the asynchronous executor (it ignores that overlapped "
         "updates still compete for cores).",
         "- repetition: share of distinct word 4-grams in each quarter of an output's text (`distinct_ngrams` in "
-        f"results.json); a last quarter below {REPETITIVE_BELOW:.0%} loops, which `--ignore-eos` invites.",
+        f"results.json); a last quarter below {REPETITIVE_BELOW:.0%} loops, which `--ignore-eos` invites. "
+        '"Quarters that do not loop": acceptance over the rounds starting in quarters at or above that share.',
     ]
     return "\n".join(out) + "\n"
 

@@ -14,6 +14,7 @@ from sglang_tts.bench.metrics import (
     pooled_accept_from,
     round_starts,
     rounds_from,
+    rounds_in_new_text,
     sampling_order,
 )
 
@@ -158,3 +159,16 @@ def test_concurrent_modes_charge_each_request_its_share_of_the_wave():
         "t0.7-c4",
         "greedy-c8",
     ]
+
+
+def test_acceptance_on_new_text_leaves_out_the_rounds_in_looping_quarters():
+    # 61 tokens: 20 one-token rounds (starts 1..20), then ten 4-token rounds (starts 21, 25, ..., 57).
+    tts = record("eagle3:tts-s1", "d", [1] * 20 + [4] * 10, 1.0, distinct_ngrams=[0.9, 0.9, 0.1, 0.1])
+    # Quarters of 61 tokens: the loop starts at position 31, so only the 4-token rounds at 21, 25, 29 count.
+    assert rounds_in_new_text(tts) == [1] * 20 + [4] * 3
+    assert rounds_in_new_text(record("eagle3:tts-s1", "d", [2, 2], 1.0)) == []  # no text scores
+    frozen = record("eagle3:frozen", "d", [1] * 40, 1.0, distinct_ngrams=[0.9] * 4)
+    agg = aggregate([tts, frozen], full_configs(("frozen", "tts-s1")), bucket=8)
+    assert agg.summary("eagle3:tts-s1").accept_new_text == pytest.approx(32 / 23)
+    assert agg.summary("eagle3:tts-s1").accept_mean == pytest.approx(60 / 30)  # the loop inflates the mean
+    assert agg.comparison("eagle3:tts-s1").new_text_gain_pct == pytest.approx((32 / 23 - 1) * 100)

@@ -38,6 +38,15 @@ def test_acceptance_table_shows_the_gain_over_frozen_per_dataset():
     assert row[:3] == ["aime2024", "1.20", "2.00 (+66.7%)"]
     assert _row(text, "math500")[2] == "1.50 (+25.0%)"
     assert "**dflash, last quarter of each output**" in text
+    assert "**eagle3, quarters of each output that do not loop**" in text
+
+
+def test_acceptance_on_new_text_is_tabled_against_frozen():
+    tts = record("eagle3:tts-s1", "d", [1] * 20 + [4] * 10, 1.0, distinct_ngrams=[0.9, 0.9, 0.1, 0.1])
+    frozen = record("eagle3:frozen", "d", [1] * 40, 1.0, distinct_ngrams=[0.9] * 4)
+    text = acceptance_tables(aggregate([tts, frozen], full_configs(("frozen", "tts-s1")), bucket=8))
+    new_text = text.split("quarters of each output that do not loop")[1]
+    assert _row(new_text, "all") == ["all", "1.00", "1.39 (+39.1%)"]
 
 
 def test_throughput_and_async_sync_tables():
