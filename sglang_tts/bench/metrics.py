@@ -245,6 +245,7 @@ class Aggregates:
     comparisons: list[Comparison]
     best_tts: dict[str, str]  # kind -> the asynchronous TTS configuration with the highest tokens/s (all data)
     output_agreement: dict[str, Any]
+    repetitive: list[dict[str, Any]] = field(default_factory=list)  # outputs whose last quarter loops
 
     def summary(self, config: str, dataset: str = ALL) -> Summary | None:
         return next((s for s in self.summaries if s.config == config and s.dataset == dataset), None)
@@ -259,6 +260,7 @@ class Aggregates:
             "comparisons": [c.to_json() for c in self.comparisons],
             "best_tts": self.best_tts,
             "output_agreement": self.output_agreement,
+            "repetitive": self.repetitive,
         }
 
 
@@ -269,7 +271,7 @@ def output_agreement(records: Sequence[RequestRecord]) -> dict[str, Any]:
     for r in records:
         by_prompt.setdefault(r.prompt_id, set()).add(r.output_digest)
     differing = sorted(pid for pid, digests in by_prompt.items() if len(digests) > 1)
-    return {"prompts": len(by_prompt), "differing": differing, "repetitive": repetitive_outputs(records)}
+    return {"prompts": len(by_prompt), "differing": differing}
 
 
 def repetitive_outputs(records: Sequence[RequestRecord]) -> list[dict[str, Any]]:
@@ -312,7 +314,7 @@ def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], 
             current = index.get((best.get(s.kind, ""), ALL))
             if current is None or s.tokens_per_s > current.tokens_per_s:
                 best[s.kind] = s.config
-    return Aggregates(datasets, summaries, comparisons, best, output_agreement(records))
+    return Aggregates(datasets, summaries, comparisons, best, output_agreement(records), repetitive_outputs(records))
 
 
 def sampling_order(labels: Iterable[str]) -> list[str]:

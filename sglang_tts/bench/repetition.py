@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 NGRAM = 4
-# Below this share of distinct 4-grams a quarter is reported as repetitive. Prose and worked solutions
-# on the default model stay above 0.8; a loop of a 40-word period in a 400-word quarter gives 0.1.
+# Below this share of distinct 4-grams a quarter is reported as repetitive. On the default model,
+# quarters of worked solutions measured 0.52-0.99 and quarters of loops 0.02-0.28; a loop of a 40-word
+# period in a 400-word quarter gives 0.1.
 REPETITIVE_BELOW = 0.5
 
 

@@ -298,7 +298,7 @@ def losses(aggregates: Aggregates) -> list[str]:
 
 
 def repetition_sentence(repetitive: Sequence[Mapping[str, Any]]) -> str:
-    """Which outputs loop in their last quarter (from ``output_agreement``'s ``repetitive`` list)."""
+    """Which outputs loop in their last quarter (``Aggregates.repetitive``)."""
     if not repetitive:
         return (
             f"Repetition: no output's last quarter fell below {REPETITIVE_BELOW:.0%} distinct word 4-grams (no loops)."
@@ -424,7 +424,7 @@ def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], lev
             "Temperature sampling: outputs differ between configurations, so per-position numbers compare "
             "different texts; only the distribution is shared."
         )
-    out += ["", repetition_sentence(agreement.get("repetitive") or [])]
+    out += ["", repetition_sentence(aggregates.repetitive)]
     mine = [p for p in plots if Path(p).stem.endswith(f"_{label}")]
     if mine:
         out += ["", f"{level} Plots", ""] + [f"![{Path(p).stem}]({Path(p).name})" for p in mine]
