@@ -72,3 +72,25 @@ def test_a_corrupt_policy_stops_the_launch_with_a_clear_message(loopy_llama, loo
     with pytest.raises(ServerStartError, match="bad-policy.json is not valid JSON"):
         with sglang_server(str(loopy_llama), [*args, "--tts-controller", str(bad)], timeout_s=120):
             pass
+
+
+def test_sglangs_own_adaptive_rule_runs_tts_losslessly(loopy_llama, loopy_eagle3, tmp_path):
+    """`--speculative-adaptive` without a controller: SGLang's acceptance-EMA rule picks the chain length
+    of a TTS server (the controller's baseline), with TTS updating the drafter, and stays lossless."""
+    config = tmp_path / "adaptive.json"
+    config.write_text('{"1": {"candidate_steps": [1, 3], "warmup_batches": 2, "update_interval": 2}}')
+    args = [
+        "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3),
+        "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
+        "--tts-lr", "1e-2", "--tts-update-stride", "2",
+        "--speculative-adaptive", "--speculative-adaptive-config", str(config),
+    ]  # fmt: skip
+    details = {"tts_return_accept_lengths": True}
+    with sglang_server(str(loopy_llama), args) as server:
+        result = generate_ids(server.base_url, PROMPTS[0], NEW_TOKENS, custom_params=details)
+        log = server.log_path.read_text(errors="replace")
+    assert result["output_ids"] == hf_greedy(str(loopy_llama), PROMPTS[0], NEW_TOKENS)
+    # the loopy target is predictable, so the rule lengthens the chain from 1 to 3: rounds of 4 tokens
+    assert "Switch adaptive runtime state" in log
+    assert max(result["meta_info"]["tts_accept_lengths"]) > 2
+    assert result["meta_info"]["tts_num_updates"] > 0
