@@ -2,9 +2,9 @@
 """Write a policy file for `--tts-controller`: fitted from logged traces, learnt in the synthetic
 environment, or scripted.
 
-    # 1. a logging policy that tries every action in turn (persistence 8), to collect traces
-    python scripts/train_controller.py --kind round_robin --steps 1,3,5 --strides 1,5,20 --out rr.json
-    python -m sglang.launch_server ... --speculative-algorithm TTS --tts-controller rr.json \
+    # 1. a logging policy that tries a random action per window (persistence 8), to collect traces
+    python scripts/train_controller.py --kind uniform --steps 0,1,3,5,7 --strides 2,5 --out log.json
+    python -m sglang.launch_server ... --speculative-algorithm TTS --tts-controller log.json \
         --tts-controller-trace trace.jsonl          # then serve a representative workload
 
     # 2. fit a contextual bandit to the traces (several --trace files are merged)
@@ -30,7 +30,7 @@ from sglang_tts.control.actions import action_grid  # noqa: E402
 from sglang_tts.control.controller import REWARDS, ControllerConfig  # noqa: E402
 from sglang_tts.control.cost import CostModel  # noqa: E402
 from sglang_tts.control.observation import feature_names  # noqa: E402
-from sglang_tts.control.policy import POLICY_KINDS, STATEFUL_KINDS, make_policy  # noqa: E402
+from sglang_tts.control.policy import POLICY_KINDS, SEEDED_KINDS, make_policy  # noqa: E402
 from sglang_tts.control.policy_file import PolicyFileError, load_policy, save_policy  # noqa: E402
 from sglang_tts.control.synthetic import RunSummary, SyntheticConfig  # noqa: E402
 from sglang_tts.control.training import evaluate_synthetic, fit_traces, load_traces, train_synthetic  # noqa: E402
@@ -99,7 +99,7 @@ def main(argv=None) -> int:
     if init is not None:
         policy = init.policy
     else:
-        kwargs = {"seed": args.seed} if args.kind in STATEFUL_KINDS else {}
+        kwargs = {"seed": args.seed} if args.kind in SEEDED_KINDS else {}
         if args.alpha is not None and args.kind in ("linucb", "thompson"):
             kwargs["alpha"] = args.alpha
         if args.kind == "static":

@@ -10,7 +10,10 @@ are bandits outright:
 * ``SoftmaxPolicy`` ("softmax"): a linear softmax policy trained by REINFORCE with a linear baseline
   and an entropy bonus (Re-SpS's max-entropy PPO reduced to its one-step case); online only.
 * ``StaticPolicy`` ("static"): always the same action: the best-static-configuration baseline.
-* ``RoundRobinPolicy`` ("round_robin"): a scripted cycle through the actions (trace collection, tests).
+* ``RoundRobinPolicy`` ("round_robin"): a scripted cycle through the actions (tests; trace collection).
+* ``UniformPolicy`` ("uniform"): a seeded uniformly random action per decision: the logging policy for
+  offline fitting (every action sees the same distribution of states, which a fixed cycle does not
+  give: there each action always follows the same one).
 
 Reward transform. Rewards are tokens per second, whose scale varies by orders of magnitude with
 batch size and hardware; the bandits regress log(reward) (multiplicative effects of acceptance and
@@ -425,12 +428,51 @@ class RoundRobinPolicy:
         return policy
 
 
+class UniformPolicy:
+    """A uniformly random action per decision, from a seeded generator saved with the policy.
+
+    Scripted, not learnt: the logging policy for offline fitting. With a fixed cycle (round_robin) each
+    action always follows the same one, so the state it is tried in (acceptance EMA, the chain the
+    engine was running) depends on its predecessor; random choice gives every action the same state
+    distribution, which the per-action regressions of the bandits assume."""
+
+    kind: ClassVar[str] = "uniform"
+
+    def __init__(self, actions: Sequence[Action], seed: int = 0) -> None:
+        if not actions:
+            raise ValueError("a policy needs at least one action")
+        self.actions = list(actions)
+        self.seed = int(seed)
+        self.rng = np.random.default_rng(self.seed)
+
+    def select(self, features: Any, explore: bool) -> int:
+        return int(self.rng.integers(len(self.actions)))
+
+    def update(self, features: Any, action_index: int, reward: float) -> None:
+        return None
+
+    def state_dict(self) -> dict:
+        return {"config": {"seed": self.seed}, "rng": _rng_state(self.rng)}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.seed = int(d["config"]["seed"])
+        self.rng = _rng_from_state(d["rng"]) if "rng" in d else np.random.default_rng(self.seed)
+
+    @classmethod
+    def from_state_dict(cls, actions: Sequence[Action], d: dict) -> UniformPolicy:
+        policy = cls(actions, **d["config"])
+        policy.load_state_dict(d)
+        return policy
+
+
 # kind -> class; every class has from_state_dict(actions, state) and the ControllerPolicy methods.
 POLICY_KINDS: dict[str, type] = {
-    cls.kind: cls for cls in (LinUCBPolicy, LinearThompsonPolicy, SoftmaxPolicy, StaticPolicy, RoundRobinPolicy)
+    cls.kind: cls
+    for cls in (LinUCBPolicy, LinearThompsonPolicy, SoftmaxPolicy, StaticPolicy, RoundRobinPolicy, UniformPolicy)
 }
 # Kinds whose select() reads the feature vector (their state has the feature dimension in it).
 STATEFUL_KINDS = ("linucb", "thompson", "softmax")
+SEEDED_KINDS = (*STATEFUL_KINDS, "uniform")  # kinds that take a seed
 
 
 def make_policy(kind: str, actions: Sequence[Action], dim: int, **kwargs: Any) -> ControllerPolicy:

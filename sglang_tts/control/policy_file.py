@@ -3,7 +3,7 @@
 One JSON object:
 
     {"format": "sglang-tts-controller-policy", "version": 1,
-     "kind": "linucb" | "thompson" | "softmax" | "static" | "round_robin",
+     "kind": "linucb" | "thompson" | "softmax" | "static" | "round_robin" | "uniform",
      "max_steps": M,                      # the state's size: feature_names(M)
      "feature_names": [...],              # must equal this version's feature_names(M)
      "actions": [{"num_steps": n, "update_stride": S}, ...],

@@ -8,7 +8,17 @@ import collections
 import numpy as np
 import pytest
 
-from sglang_tts.control import Action, Controller, ControllerConfig, Observation, feature_names, make_policy, read_trace
+from sglang_tts.control import (
+    Action,
+    Controller,
+    ControllerConfig,
+    Observation,
+    feature_names,
+    load_policy,
+    make_policy,
+    read_trace,
+    save_policy,
+)
 from sglang_tts.control.synthetic import SyntheticConfig, SyntheticEnv
 from sglang_tts.control.training import fit_traces, greedy_choice_per_context, load_traces, train_synthetic
 
@@ -50,10 +60,11 @@ def test_online_learner_finds_the_best_action_per_context(seed):
         assert _mode(picked) == ENV.best_action_index(context), (str(context), picked)
 
 
-def test_offline_fit_from_a_round_robin_trace_finds_the_best_action(tmp_path):
+@pytest.mark.parametrize("logging_kind", ["round_robin", "uniform"])
+def test_offline_fit_from_a_logged_trace_finds_the_best_action(tmp_path, logging_kind):
     actions = ENV.actions()
     dim = len(feature_names(ENV.max_steps))
-    logger = Controller(make_policy("round_robin", actions, dim), ControllerConfig(persistence=8), ENV.max_steps)
+    logger = Controller(make_policy(logging_kind, actions, dim), ControllerConfig(persistence=8), ENV.max_steps)
     env = SyntheticEnv(ENV, episode_rounds=160, seed=5)
     while logger.stats["decisions"] < 800:
         logger.observe(env.step(logger.current))
@@ -64,7 +75,11 @@ def test_offline_fit_from_a_round_robin_trace_finds_the_best_action(tmp_path):
 
     policy = make_policy("linucb", actions, dim)
     report = fit_traces(policy, traces)
-    assert report.used == 800 and set(report.per_action.values()) == {200}
+    assert report.used == 800 and len(report.per_action) == 4
+    if logging_kind == "round_robin":
+        assert set(report.per_action.values()) == {200}
+    else:  # random, not a cycle: every action about a quarter of the time
+        assert all(150 < n < 250 for n in report.per_action.values()), report.per_action
     for context, picked in greedy_choice_per_context(policy, ENV).items():
         assert _mode(picked) == ENV.best_action_index(context), (str(context), picked)
 
@@ -101,3 +116,20 @@ def test_round_robin_cycles_and_the_trace_records_each_window(tmp_path):
     # tokens/s of whole rounds: 2 rounds of (steps + 1) tokens in 2 x 0.01 s
     assert records[0]["reward"] == pytest.approx(2 * 4 / 0.02)
     assert all(r["window"]["mismatched_rounds"] == 0 for r in records)
+
+
+def test_uniform_logging_is_random_seeded_and_resumes_its_sequence(tmp_path):
+    actions = [Action(0, 1), Action(1, 2), Action(3, 2), Action(3, 5)]
+    policy = make_policy("uniform", actions, 0, seed=7)
+    picks = [policy.select(None, True) for _ in range(400)]
+    assert set(picks) == {0, 1, 2, 3}
+    # not a cycle: some action repeats back to back, and successors of an action vary
+    assert any(a == b for a, b in zip(picks, picks[1:]))
+    assert len({b for a, b in zip(picks, picks[1:]) if a == 0}) == 4
+    same_seed = make_policy("uniform", actions, 0, seed=7)
+    assert [same_seed.select(None, True) for _ in range(400)] == picks
+    other_seed = make_policy("uniform", actions, 0, seed=8)
+    assert [other_seed.select(None, True) for _ in range(400)] != picks
+    # saved mid-sequence, a reloaded policy continues where this one is
+    bundle = load_policy(save_policy(tmp_path / "u.json", policy, ControllerConfig()))
+    assert [bundle.policy.select(None, True) for _ in range(20)] == [policy.select(None, True) for _ in range(20)]
