@@ -40,6 +40,7 @@ from sglang_tts.bench.configs import (  # noqa: E402
     parse_eagle3_shape,
     parse_variants,
     resolve_drafters,
+    resolve_reference,
     split_server_args,
 )
 from sglang_tts.bench.runner import RunnerSettings, SamplingSettings, get_json  # noqa: E402
@@ -123,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--rounds", type=int, help="prompt chunks, every configuration per chunk (default min(3, prompts))"
     )
     run.add_argument("--bucket", type=int, help="output-position bucket in tokens (default 256; smoke 32)")
+    run.add_argument(
+        "--reference",
+        help="a configuration to compare every other one with (report: tokens/s as x this one, per concurrency); "
+        "also with --from-json",
+    )
     run.add_argument(
         "--warmup-tokens", type=int, help="unrecorded warm-up request per server (default 32, smoke 8; 0: none)"
     )
@@ -222,6 +228,9 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra, eagle3_shape=shape, variants=variants
         )
 
+    if args.reference:
+        settings["reference"] = resolve_reference(args.reference, [c.name for c in configs])
+
     # /generate sends token ids: apply the chat template here, with the target's tokenizer.
     tokenizer = model if args.api == "generate" else None
     if args.smoke and not args.datasets:
@@ -287,7 +296,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv[1:])
     if args.from_json:
-        result = rerender(args.from_json, args.bucket)
+        try:
+            result = rerender(args.from_json, args.bucket, args.reference)
+        except ConfigError as error:
+            parser.error(str(error))
     else:
         try:
             plan = plan_from_args(args, argv)

@@ -165,6 +165,18 @@ def parse_config_name(text: str) -> ConfigSpec:
     return ConfigSpec("tts", kind, stride, bool(match["sync"]), scope, rank, tags)
 
 
+def resolve_reference(text: str, names: Sequence[str]) -> str:
+    """``--reference``: a configuration's full name (``eagle3:tts-s2+best``), or its name without the kind
+    prefix when that is unambiguous (``tts-s2+best``) -> the full name."""
+    if text in names:
+        return text
+    matches = [name for name in names if name.split(":", 1)[-1] == text]
+    if len(matches) == 1:
+        return matches[0]
+    what = "names several configurations" if matches else "is not one of the configurations"
+    raise ConfigError(f"--reference {text!r} {what}: use one of {', '.join(names)}")
+
+
 def split_server_args(values: Iterable[str]) -> tuple[str, ...]:
     """``--server-arg`` values, each possibly several shell words ("--tts-scope global"), as one argv list."""
     return tuple(word for value in values for word in shlex.split(value))

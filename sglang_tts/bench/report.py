@@ -362,6 +362,42 @@ def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
     return "\n\n".join(parts)
 
 
+def reference_tables(by_sampling: Mapping[str, Aggregates], reference: str) -> str:
+    """Per sampling mode: every configuration's tokens/s as a ratio to ``reference`` (a configuration name)
+    and its acceptance, per concurrency: the comparison a baseline other than frozen needs (a
+    controller against the best static configuration, per-request adapters against the shared drafter)."""
+    groups: dict[str, dict[int, Aggregates]] = {}
+    for label, aggregates in by_sampling.items():
+        base, concurrency = parse_mode(label)
+        groups.setdefault(base, {})[concurrency] = aggregates
+    parts = []
+    for base, per_c in groups.items():
+        concurrencies = sorted(per_c)
+        names = list(dict.fromkeys(s.config for c in concurrencies for s in per_c[c].summaries if s.dataset == ALL))
+        header = ["configuration"]
+        header += [f"c={c} tok/s (x ref)" for c in concurrencies]
+        header += [f"c={c} accept" for c in concurrencies]
+        rows = []
+        for name in names:
+            speed_cells, accept_cells = [], []
+            for c in concurrencies:
+                mine, ref = per_c[c].summary(name), per_c[c].summary(reference)
+                if mine is None:
+                    speed_cells.append("-")
+                    accept_cells.append("-")
+                    continue
+                ratio = mine.tokens_per_s / ref.tokens_per_s if ref is not None and ref.tokens_per_s > 0 else None
+                speed_cells.append(fmt(mine.tokens_per_s, 1) + (f" ({fmt(ratio)}x)" if ratio is not None else ""))
+                accept_cells.append(fmt(mine.accept_mean))
+            rows.append([f"{name} (reference)" if name == reference else name, *speed_cells, *accept_cells])
+        if all(per_c[c].summary(reference) is None for c in concurrencies):
+            parts.append(f"**{_sampling_title(base)}**: the reference `{reference}` did not run.")
+            continue
+        title = f"**{_sampling_title(base)}** (tokens/s, x the reference; tokens per round)"
+        parts.append(title + "\n\n" + table(header, rows))
+    return "\n\n".join(parts)
+
+
 def _sampling_title(sampling: str) -> str:
     """``greedy`` -> "greedy decoding", ``t0.7`` -> "temperature 0.7"."""
     return "greedy decoding" if sampling == GREEDY else f"temperature {sampling.lstrip('t')}"
@@ -464,6 +500,9 @@ def render_markdown(
     ]
     if not by_sampling:
         out += ["", "_No request completed._"]
+    reference = settings.get("reference")
+    if reference and by_sampling:
+        out += ["", f"## Against the reference `{reference}`", "", reference_tables(by_sampling, reference)]
     sweep = concurrency_tables(by_sampling)
     if sweep:
         out += ["", "## Concurrency sweep", "", sweep]

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_tts.bench.configs import BenchConfig
+from sglang_tts.bench.configs import BenchConfig, resolve_reference
 from sglang_tts.bench.metrics import aggregate_by_sampling
 from sglang_tts.bench.report import machine_info, render_markdown, write_json, write_plots
 from sglang_tts.bench.runner import RequestRecord, Runner, RunnerSettings, plan_schedule
@@ -115,11 +115,15 @@ def run_suite(plan: BenchPlan) -> SuiteResult:
     return finish(plan.run_dir, payload)
 
 
-def rerender(results_json: Path, bucket: int | None = None) -> SuiteResult:
-    """Recompute aggregates, report.md and plots from a results.json (optionally with another bucket)."""
+def rerender(results_json: Path, bucket: int | None = None, reference: str | None = None) -> SuiteResult:
+    """Recompute aggregates, report.md and plots from a results.json (optionally with another bucket or
+    reference configuration)."""
     payload = json.loads(Path(results_json).read_text())
     if bucket is not None:
         payload["settings"]["bucket"] = bucket
+    if reference is not None:
+        names = [BenchConfig.from_json(c).name for c in payload["configs"]]
+        payload["settings"]["reference"] = resolve_reference(reference, names)
     return finish(Path(results_json).parent, payload)
 
 

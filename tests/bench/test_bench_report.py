@@ -16,6 +16,7 @@ from sglang_tts.bench.report import (
     concurrency_tables,
     losses,
     position_table,
+    reference_tables,
     repetition_sentence,
     throughput_table,
     write_json,
@@ -178,3 +179,30 @@ def test_concurrency_tables_put_each_configuration_side_by_side_per_concurrency(
     assert _row(text, "eagle3:frozen")[1] == f"{frozen_1:.2f}"
     assert "no-spec" not in text  # only drafters with a frozen baseline
     assert concurrency_tables({"greedy": by["greedy"]}) == ""
+
+
+def test_reference_tables_give_every_configuration_as_a_ratio_to_the_reference(tmp_path):
+    greedy = full_records()
+    batched = [record(r.config, r.dataset, r.accept_lengths, r.wall_s * 2, sampling="greedy-c4", concurrency=4)
+               for r in greedy if r.config != "eagle3:tts-s5"]  # fmt: skip
+    for r in batched:
+        r.wave_wall_s = r.wall_s
+    by = aggregate_by_sampling([*greedy, *batched], full_configs(), bucket=20)
+    text = reference_tables(by, "eagle3:tts-s5")
+    assert "c=1 tok/s (x ref)" in text and "c=4 accept" in text
+    ref_1 = by["greedy"].summary("eagle3:tts-s5").tokens_per_s
+    frozen_1 = by["greedy"].summary("eagle3:frozen").tokens_per_s
+    frozen_4 = by["greedy-c4"].summary("eagle3:frozen")
+    row = _row(text, "eagle3:frozen")
+    assert row[1] == f"{frozen_1:.1f} ({frozen_1 / ref_1:.2f}x)"
+    assert row[2] == f"{frozen_4.tokens_per_s:.1f}"  # no reference ran at c=4: no ratio there
+    assert row[4] == f"{frozen_4.accept_mean:.2f}"
+    assert _row(text, "eagle3:tts-s5 (reference)")[1:3] == [f"{ref_1:.1f} (1.00x)", "-"]
+    assert _row(text, "no-spec")[1].endswith("x)")  # every configuration, not only drafters
+    assert "did not run" in reference_tables(by, "eagle3:tts-s99")
+    # report.md shows it when the settings name a reference
+    payload = _payload(full_records(), full_configs())
+    payload["settings"]["reference"] = "eagle3:tts-s1"
+    report = finish(tmp_path, payload).report.read_text()
+    assert "## Against the reference `eagle3:tts-s1`" in report
+    assert "| eagle3:tts-s1 (reference) |" in report

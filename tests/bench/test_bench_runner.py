@@ -283,3 +283,16 @@ def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
     assert wave is not None and all(r.wave_wall_s == wave for r in batched)
     assert batched[0].share_wall_s == pytest.approx(wave / 3) and single[0].share_wall_s == single[0].wall_s
     assert all(r.wall_s <= wave + 1e-6 for r in batched)
+
+
+def test_a_reference_resolves_to_one_configuration():
+    from sglang_tts.bench.configs import resolve_reference
+
+    names = ["no-spec", "eagle3:tts-s2+best", "dflash:tts-s2+best", "eagle3:frozen"]
+    assert resolve_reference("eagle3:tts-s2+best", names) == "eagle3:tts-s2+best"
+    assert resolve_reference("frozen", names) == "eagle3:frozen"
+    assert resolve_reference("no-spec", names) == "no-spec"
+    with pytest.raises(ConfigError, match="names several configurations"):
+        resolve_reference("tts-s2+best", names)
+    with pytest.raises(ConfigError, match="is not one of the configurations: use one of no-spec"):
+        resolve_reference("tts-s5", names)

@@ -118,6 +118,13 @@ def test_from_json_rerenders_without_servers(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| all | 1.00 | 2.00 (+100.0%) |" in out and f"results: {tmp_path / 'results.json'}" in out
     assert (tmp_path / "acceptance_by_position_greedy.png").is_file()
+    # a reference added on re-rendering: tokens/s as a ratio to it (frozen: 11 tok/s, TTS: 22)
+    assert _script().main(["--from-json", str(tmp_path / "results.json"), "--reference", "frozen"]) == 0
+    report = (tmp_path / "report.md").read_text()
+    assert "| eagle3:tts-s1 | 22.0 (2.00x) | 2.00 |" in report
+    with pytest.raises(SystemExit):
+        _script().main(["--from-json", str(tmp_path / "results.json"), "--reference", "tts-s9"])
+    assert "--reference 'tts-s9' is not one of the configurations" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
