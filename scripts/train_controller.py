@@ -14,7 +14,8 @@ environment, or scripted.
     python scripts/train_controller.py --kind thompson --synthetic-windows 3000 --evaluate 500 --out syn.json
 
 The action set is steps x strides (`--steps`, `--strides`; with --trace, default: every action in the
-traces). Prints a JSON summary.
+traces). Prints a JSON summary; with --trace it includes "static_grid": every action's tokens/s in
+the logged windows per batch-size bucket and the best static action (the grid-search baseline).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from sglang_tts.control.observation import feature_names  # noqa: E402
 from sglang_tts.control.policy import POLICY_KINDS, SEEDED_KINDS, make_policy  # noqa: E402
 from sglang_tts.control.policy_file import PolicyFileError, load_policy, save_policy  # noqa: E402
 from sglang_tts.control.synthetic import RunSummary, SyntheticConfig  # noqa: E402
-from sglang_tts.control.training import evaluate_synthetic, fit_traces, load_traces, train_synthetic  # noqa: E402
+from sglang_tts.control.training import (  # noqa: E402
+    evaluate_synthetic,
+    fit_traces,
+    load_traces,
+    static_grid,
+    train_synthetic,
+)
 
 
 def _ints(text: str) -> list[int]:
@@ -120,6 +127,7 @@ def main(argv=None) -> int:
         summary["trace_records_used"] = report.used
         summary["trace_records_skipped"] = report.skipped_unknown_action + report.skipped_bad
         summary["records_per_action"] = report.per_action
+        summary["static_grid"] = static_grid(traces)
     if args.synthetic_windows:
         run = train_synthetic(policy, args.synthetic_windows, synthetic, args.persistence, seed=args.seed)
         summary["synthetic_train_tail_accuracy"] = RunSummary.accuracy(run.tail(0.2))

@@ -14,6 +14,7 @@ seconds (timing noise then does not reach the policy; the cost model goes into t
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,6 +107,54 @@ def fit_traces(
             report.used += 1
             report.per_action[str(action)] = report.per_action.get(str(action), 0) + 1
     return report
+
+
+# Batch-size buckets of static_grid: (label, smallest, largest mean batch size of a window).
+BATCH_BUCKETS = (("1", 1, 1), ("2-4", 2, 4), ("5-8", 5, 8), ("9-16", 9, 16), ("17-64", 17, 64), ("65+", 65, 10**9))
+
+
+def _bucket(mean_batch_size: float) -> str:
+    size = max(1, round(mean_batch_size))
+    return next(label for label, low, high in BATCH_BUCKETS if low <= size <= high)
+
+
+def static_grid(traces: TraceSet) -> dict[str, Any]:
+    """The grid search for the best static configuration, from logged windows: per batch-size bucket and
+    action, the pooled tokens/s of the windows that ran it (sum of tokens / sum of seconds), and the best
+    action per bucket; ``"overall"``: per action the geometric mean over the buckets where every action
+    ran, and the best. With a uniform logging policy every action is tried in the same mix of states,
+    so this compares actions on equal terms; it measures each action's immediate throughput (a stride's
+    later effect on acceptance is shared by the windows that follow it)."""
+    totals: dict[str, dict[Action, list[float]]] = {}
+    for record in traces.records:
+        try:
+            action = Action.from_dict(record["action"])
+            w = record["window"]
+            tokens, seconds, batch = float(w["tokens"]), float(w["seconds"]), float(w["mean_batch_size"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not seconds > 0:
+            continue
+        cell = totals.setdefault(_bucket(batch), {}).setdefault(action, [0.0, 0.0, 0])
+        cell[0] += tokens
+        cell[1] += seconds
+        cell[2] += 1
+    order = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
+    grid: dict[str, Any] = {}
+    for label in sorted(totals, key=order.__getitem__):
+        cells = {a: {"windows": int(n), "tokens_per_s": t / s} for a, (t, s, n) in sorted(totals[label].items())}
+        best = max(cells, key=lambda a: cells[a]["tokens_per_s"])
+        grid[label] = {"actions": {str(a): c for a, c in cells.items()}, "best": str(best)}
+    complete = [label for label in sorted(totals, key=order.__getitem__) if set(totals[label]) == set(traces.actions)]
+    if complete:
+        geo = {
+            str(a): math.exp(
+                sum(math.log(totals[label][a][0] / totals[label][a][1]) for label in complete) / len(complete)
+            )
+            for a in sorted(traces.actions)
+        }
+        grid["overall"] = {"buckets": complete, "geomean_tokens_per_s": geo, "best": max(geo, key=geo.__getitem__)}
+    return grid
 
 
 def train_synthetic(

@@ -4,6 +4,7 @@ logged traces), and the controller's window/trace bookkeeping."""
 from __future__ import annotations
 
 import collections
+import json
 
 import numpy as np
 import pytest
@@ -133,3 +134,36 @@ def test_uniform_logging_is_random_seeded_and_resumes_its_sequence(tmp_path):
     # saved mid-sequence, a reloaded policy continues where this one is
     bundle = load_policy(save_policy(tmp_path / "u.json", policy, ControllerConfig()))
     assert [bundle.policy.select(None, True) for _ in range(20)] == [policy.select(None, True) for _ in range(20)]
+
+
+def test_static_grid_pools_each_actions_windows_per_batch_size(tmp_path):
+    from sglang_tts.control.training import static_grid
+
+    a, b = Action(1, 2), Action(3, 2)
+    header = {
+        "type": "header", "format": "sglang-tts-controller-trace", "version": 1, "max_steps": 3,
+        "feature_names": feature_names(3), "actions": [a.to_dict(), b.to_dict()], "persistence": 8,
+        "reward": "tokens_per_second", "policy_kind": "uniform",
+    }  # fmt: skip
+
+    def window(action, tokens, seconds, batch):
+        w = {"tokens": tokens, "seconds": seconds, "mean_batch_size": batch}
+        return {"type": "decision", "action": action.to_dict(), "reward": tokens / seconds, "window": w}
+
+    records = [
+        window(a, 10, 1.0, 1), window(a, 30, 1.0, 1),  # a at batch 1: 40 tokens / 2 s = 20 tok/s
+        window(b, 25, 1.0, 1.2),  # b at batch 1: 25 tok/s (1.2 rounds to 1)
+        window(a, 60, 1.0, 3.6), window(b, 40, 1.0, 4),  # batch 2-4: a 60, b 40
+        window(b, 90, 1.0, 8),  # batch 5-8: only b ran, so that bucket is left out of "overall"
+    ]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    grid = static_grid(load_traces([path]))
+    assert grid["1"]["actions"]["steps=1,S=2"] == {"windows": 2, "tokens_per_s": 20.0}
+    assert grid["1"]["best"] == "steps=3,S=2" and grid["2-4"]["best"] == "steps=1,S=2"
+    assert grid["5-8"]["actions"] == {"steps=3,S=2": {"windows": 1, "tokens_per_s": 90.0}}
+    overall = grid["overall"]
+    assert overall["buckets"] == ["1", "2-4"]
+    assert overall["geomean_tokens_per_s"]["steps=1,S=2"] == pytest.approx((20 * 60) ** 0.5)
+    assert overall["geomean_tokens_per_s"]["steps=3,S=2"] == pytest.approx((25 * 40) ** 0.5)
+    assert overall["best"] == "steps=1,S=2"

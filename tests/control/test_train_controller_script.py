@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import pathlib
 
 import pytest
@@ -29,11 +30,19 @@ def test_collect_with_round_robin_then_fit_the_traces(script, tmp_path, capsys):
     while controller.stats["decisions"] < 40:
         controller.observe(env.step(controller.current))
     controller.write_trace(tmp_path / "trace.jsonl")
+    capsys.readouterr()  # the first call's summary
 
     out = tmp_path / "fit.json"
     argv = ["--kind", "linucb", "--trace", str(tmp_path / "trace.jsonl"), "--reward", "cost_model", "--out", str(out)]
     assert script.main([*argv, "--initial-steps", "3", "--initial-stride", "4"]) == 0
-    assert '"trace_records_used": 40' in capsys.readouterr().out
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["trace_records_used"] == 40
+    # the grid-search baseline: per batch-size bucket of the synthetic environment, the actions that ran
+    grid = summary["static_grid"]
+    actions = {"steps=1,S=1", "steps=1,S=4", "steps=3,S=1", "steps=3,S=4"}
+    buckets = [label for label in grid if label != "overall"]
+    assert buckets and all(set(grid[b]["actions"]) <= actions and grid[b]["best"] in actions for b in buckets)
+    assert sum(c["windows"] for b in buckets for c in grid[b]["actions"].values()) == 40
     bundle = load_policy(out)
     assert bundle.actions == [Action(1, 1), Action(1, 4), Action(3, 1), Action(3, 4)]
     assert bundle.config.reward == "cost_model" and bundle.config.cost_model is not None
