@@ -313,27 +313,38 @@ def repetition_sentence(repetitive: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
-def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
-    """Per sampling mode run at several concurrencies: each configuration's acceptance (gain over the frozen
-    drafter of its kind, in tokens per round) and tokens/s (ratio to frozen) side by side per concurrency.
-    Empty when every mode ran at one concurrency only."""
+def _by_concurrency(by_sampling: Mapping[str, Aggregates]) -> dict[str, dict[int, Aggregates]]:
+    """{sampling mode without its concurrency: {concurrency: aggregates}} (``greedy-c4`` -> greedy, 4)."""
     groups: dict[str, dict[int, Aggregates]] = {}
     for label, aggregates in by_sampling.items():
         base, concurrency = parse_mode(label)
         groups.setdefault(base, {})[concurrency] = aggregates
+    return groups
+
+
+def _config_names(per_c: Mapping[int, Aggregates], variants: Sequence[str] | None = None) -> list[str]:
+    """Configurations with a summary over all datasets at any concurrency, in first-seen order."""
+    return list(
+        dict.fromkeys(
+            s.config
+            for c in sorted(per_c)
+            for s in per_c[c].summaries
+            if s.dataset == ALL and (variants is None or s.variant in variants)
+        )
+    )
+
+
+def concurrency_tables(by_sampling: Mapping[str, Aggregates]) -> str:
+    """Per sampling mode run at several concurrencies: each configuration's acceptance (gain over the frozen
+    drafter of its kind, in tokens per round) and tokens/s (ratio to frozen) side by side per concurrency.
+    Empty when every mode ran at one concurrency only."""
+    groups = _by_concurrency(by_sampling)
     parts = []
     for base, per_c in groups.items():
         if len(per_c) < 2:
             continue
         concurrencies = sorted(per_c)
-        names = list(
-            dict.fromkeys(
-                s.config
-                for c in concurrencies
-                for s in per_c[c].summaries
-                if s.dataset == ALL and s.variant in ("frozen", "tts")
-            )
-        )
+        names = _config_names(per_c, ("frozen", "tts"))
         header = ["configuration"]
         header += [f"c={c} accept (gain)" for c in concurrencies]
         header += [f"c={c} tok/s (x frozen)" for c in concurrencies]
@@ -366,14 +377,11 @@ def reference_tables(by_sampling: Mapping[str, Aggregates], reference: str) -> s
     """Per sampling mode: every configuration's tokens/s as a ratio to ``reference`` (a configuration name)
     and its acceptance, per concurrency: the comparison a baseline other than frozen needs (a
     controller against the best static configuration, per-request adapters against the shared drafter)."""
-    groups: dict[str, dict[int, Aggregates]] = {}
-    for label, aggregates in by_sampling.items():
-        base, concurrency = parse_mode(label)
-        groups.setdefault(base, {})[concurrency] = aggregates
+    groups = _by_concurrency(by_sampling)
     parts = []
     for base, per_c in groups.items():
         concurrencies = sorted(per_c)
-        names = list(dict.fromkeys(s.config for c in concurrencies for s in per_c[c].summaries if s.dataset == ALL))
+        names = _config_names(per_c)
         header = ["configuration"]
         header += [f"c={c} tok/s (x ref)" for c in concurrencies]
         header += [f"c={c} accept" for c in concurrencies]
