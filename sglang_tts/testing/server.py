@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import pathlib
+import random
 import signal
 import socket
 import subprocess
@@ -20,11 +21,24 @@ import urllib.request
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
+# uvicorn binds the HTTP port only after SGLang's scheduler has started, so the port must be one no
+# process of the server can take first: not from the kernel's ephemeral range (every bind(0) and
+# connect() of the scheduler, gloo included, draws from it; a port found free by bind(0) here can be
+# handed out again in between, and uvicorn then exits with code 3), and not from 22000-29999, where
+# SGLang draws its own later-bound torch.distributed port.
+HTTP_PORTS = range(15000, 22000)
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+
+def free_port(attempts: int = 64) -> int:
+    """A free loopback port for an SGLang server, outside the ranges its own processes draw from."""
+    for port in random.sample(HTTP_PORTS, attempts):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port among {attempts} tries in {HTTP_PORTS.start}-{HTTP_PORTS.stop - 1}")
 
 
 CPU_DEFAULT_ARGS = (
