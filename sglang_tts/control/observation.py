@@ -13,7 +13,8 @@ Feature order (`feature_names(max_steps)`, M = max_steps; dim = 2 * M + 7):
     rate_1 .. rate_M         per-position conditional acceptance P(draft k accepted | draft k-1
                              accepted), from decayed counts over the rounds that drafted position k
                              (RADAR/Re-SpS style); a position not drafted lately shrinks towards the
-                             rate of the position before it (prior 0.5 at position 1)
+                             rate of the position before it (prior 0.5 at position 1); rounds without
+                             drafting age every count, so all rates drift back to the prior
     log_batch                log2(batch_size) / 8          (0 at 1 request, 1 at 256)
     inv_batch                1 / batch_size                (fixed per-round costs amortise as 1/b)
     log_position             log2(1 + output_position) / 16
@@ -99,8 +100,9 @@ class StateTracker:
 
     max_steps: int
     ema_alpha: float = 0.2
-    # Decay per observed round of the per-position counts; slower than ema_alpha because one round of
-    # a small batch gives only a few Bernoulli samples per position. None: 1 - ema_alpha / 4.
+    # Decay per round of the per-position counts (those drafted; all of them on no-drafting rounds); slower
+    # than ema_alpha because one round of a small batch gives only a few Bernoulli samples per position.
+    # None: 1 - ema_alpha / 4.
     rate_decay: float | None = None
     rounds: int = field(default=0, init=False)
 
@@ -141,6 +143,11 @@ class StateTracker:
             self._loss.update(math.log1p(max(obs.tts_loss, 0.0)))
         n = min(int(obs.num_steps), self.max_steps)
         if n <= 0:
+            # No drafting, no evidence, but the old evidence ages: the rates drift back to the prior, so
+            # a policy that stopped drafting when acceptance was low sees a state that invites a probe
+            # again (with frozen counts a greedy policy could never leave "no drafting").
+            self._num *= self.rate_decay
+            self._den *= self.rate_decay
             return
         self._accept.update(float(np.mean(obs.accept_lengths)))
         # Accepted drafts per request, clipped: a request that finished mid-chain reports fewer.
