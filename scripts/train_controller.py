@@ -15,7 +15,9 @@ environment, or scripted.
 
 The action set is steps x strides (`--steps`, `--strides`; with --trace, default: every action in the
 traces). Prints a JSON summary; with --trace it includes "static_grid": every action's tokens/s in
-the logged windows per batch-size bucket and the best static action (the grid-search baseline).
+the logged windows per batch-size bucket and the best static action (the grid-search baseline), and
+"context_headroom": the best action per batch-size x output-position context and its ratio to that
+static action (an optimistic bound on what choosing by context can gain).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from sglang_tts.control.policy import POLICY_KINDS, SEEDED_KINDS, make_policy  #
 from sglang_tts.control.policy_file import PolicyFileError, load_policy, save_policy  # noqa: E402
 from sglang_tts.control.synthetic import RunSummary, SyntheticConfig  # noqa: E402
 from sglang_tts.control.training import (  # noqa: E402
+    context_headroom,
     evaluate_synthetic,
     fit_traces,
     load_traces,
@@ -128,6 +131,7 @@ def main(argv=None) -> int:
         summary["trace_records_skipped"] = report.skipped_unknown_action + report.skipped_bad
         summary["records_per_action"] = report.per_action
         summary["static_grid"] = static_grid(traces)
+        summary["context_headroom"] = context_headroom(traces)
     if args.synthetic_windows:
         run = train_synthetic(policy, args.synthetic_windows, synthetic, args.persistence, seed=args.seed)
         summary["synthetic_train_tail_accuracy"] = RunSummary.accuracy(run.tail(0.2))

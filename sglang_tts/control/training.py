@@ -157,6 +157,64 @@ def static_grid(traces: TraceSet) -> dict[str, Any]:
     return grid
 
 
+def context_headroom(traces: TraceSet, static: str | None = None, position_bucket: int = 256, min_windows: int = 3):
+    """How much a policy that chooses by context could gain over the best static action, from logged
+    windows: contexts are batch-size bucket x output-position bucket (``position_bucket`` tokens); in
+    each, the pooled tokens/s of every action with at least ``min_windows`` windows, the best of
+    them, and its ratio to the static action (``static``, by default static_grid's overall best).
+    ``"overall"`` and each batch bucket's ``"ratio"``: the geometric mean of the per-context ratios,
+    weighted by the contexts' windows. An upper bound with an upward bias: each context's best is the
+    maximum of noisy estimates (few windows per action and context), and it assumes the context is
+    known before the window runs."""
+    if static is None:
+        overall = static_grid(traces).get("overall")
+        if overall is None:
+            return {}
+        static = overall["best"]
+    totals: dict[tuple[str, int], dict[str, list[float]]] = {}
+    for record in traces.records:
+        try:
+            action = str(Action.from_dict(record["action"]))
+            w = record["window"]
+            tokens, seconds = float(w["tokens"]), float(w["seconds"])
+            batch, position = float(w["mean_batch_size"]), float(w["mean_output_position"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not seconds > 0:
+            continue
+        key = (_bucket(batch), int(position // position_bucket) * position_bucket)
+        cell = totals.setdefault(key, {}).setdefault(action, [0.0, 0.0, 0])
+        cell[0] += tokens
+        cell[1] += seconds
+        cell[2] += 1
+    order = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
+    contexts = []
+    for (label, position), cells in sorted(totals.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
+        rates = {a: t / s for a, (t, s, n) in cells.items() if n >= min_windows}
+        if static not in rates:
+            continue
+        best = max(rates, key=rates.__getitem__)
+        contexts.append({
+            "batch": label, "position": position, "windows": int(sum(n for _, _, n in cells.values())),
+            "best": best, "best_tokens_per_s": rates[best], "static_tokens_per_s": rates[static],
+            "ratio": rates[best] / rates[static],
+        })  # fmt: skip
+
+    def weighted_ratio(rows):
+        total = sum(r["windows"] for r in rows)
+        return math.exp(sum(r["windows"] * math.log(r["ratio"]) for r in rows) / total) if total else None
+
+    by_batch = {
+        label: {"contexts": len(rows), "ratio": weighted_ratio(rows)}
+        for label in dict.fromkeys(r["batch"] for r in contexts)
+        for rows in [[r for r in contexts if r["batch"] == label]]
+    }
+    return {
+        "static": static, "position_bucket": position_bucket, "min_windows": min_windows,
+        "contexts": contexts, "by_batch": by_batch, "overall": weighted_ratio(contexts),
+    }  # fmt: skip
+
+
 def train_synthetic(
     policy: ControllerPolicy,
     windows: int,

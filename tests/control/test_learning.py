@@ -167,3 +167,45 @@ def test_static_grid_pools_each_actions_windows_per_batch_size(tmp_path):
     assert overall["geomean_tokens_per_s"]["steps=1,S=2"] == pytest.approx((20 * 60) ** 0.5)
     assert overall["geomean_tokens_per_s"]["steps=3,S=2"] == pytest.approx((25 * 40) ** 0.5)
     assert overall["best"] == "steps=1,S=2"
+
+
+def test_context_headroom_compares_each_contexts_best_action_with_the_static_one(tmp_path):
+    from sglang_tts.control.training import context_headroom
+
+    a, b = Action(1, 2), Action(3, 2)
+    header = {
+        "type": "header", "format": "sglang-tts-controller-trace", "version": 1, "max_steps": 3,
+        "feature_names": feature_names(3), "actions": [a.to_dict(), b.to_dict()], "persistence": 8,
+        "reward": "tokens_per_second", "policy_kind": "uniform",
+    }  # fmt: skip
+
+    def windows(action, tokens_per_s, batch, position, n=3):
+        w = {"tokens": tokens_per_s, "seconds": 1.0, "mean_batch_size": batch, "mean_output_position": position}
+        return [{"type": "decision", "action": action.to_dict(), "window": w}] * n
+
+    records = [
+        # batch 1, early: a 20, b 10; late (position 300 -> bucket 256): a 10, b 40
+        *windows(a, 20, 1, 10), *windows(b, 10, 1, 100), *windows(a, 10, 1, 300), *windows(b, 40, 1, 400),
+        # batch 5-8, early: both 30 (static b is already the best there)
+        *windows(a, 30, 8, 0), *windows(b, 30, 7.6, 50),
+        # a context where b ran too few windows to compare is left out
+        *windows(a, 99, 4, 0), *windows(b, 1, 4, 0, n=2),
+    ]  # fmt: skip
+    path = tmp_path / "t.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    traces = load_traces([path])
+    headroom = context_headroom(traces, static="steps=3,S=2")
+    rows = {(r["batch"], r["position"]): r for r in headroom["contexts"]}
+    assert set(rows) == {("1", 0), ("1", 256), ("5-8", 0)}
+    assert rows[("1", 0)]["best"] == "steps=1,S=2" and rows[("1", 0)]["ratio"] == pytest.approx(2.0)
+    assert rows[("1", 256)]["best"] == "steps=3,S=2" and rows[("1", 256)]["ratio"] == pytest.approx(1.0)
+    assert rows[("5-8", 0)]["ratio"] == pytest.approx(1.0)
+    # windows-weighted geometric mean: 6 windows at 2.0, 6 at 1.0 in batch 1; 6 more at 1.0 overall
+    assert headroom["by_batch"]["1"]["ratio"] == pytest.approx(2.0**0.5)
+    assert headroom["overall"] == pytest.approx(2.0 ** (1 / 3))
+    # by default the static action is static_grid's overall best (here a, by its 99 tok/s at batch 2-4,
+    # though b wins at batch 1), and a context never gains less than 1x over it
+    default = context_headroom(traces)
+    assert default["static"] == "steps=1,S=2"
+    assert all(r["ratio"] >= 1.0 for r in default["contexts"])
+    assert default["by_batch"]["1"]["ratio"] == pytest.approx(4.0**0.5)
