@@ -136,15 +136,21 @@ def test_uniform_logging_is_random_seeded_and_resumes_its_sequence(tmp_path):
     assert [bundle.policy.select(None, True) for _ in range(20)] == [policy.select(None, True) for _ in range(20)]
 
 
+def write_uniform_trace(path, actions, records):
+    """A trace file as the server writes it (header, then one record per window), max_steps 3."""
+    header = {
+        "type": "header", "format": "sglang-tts-controller-trace", "version": 1, "max_steps": 3,
+        "feature_names": feature_names(3), "actions": [a.to_dict() for a in actions], "persistence": 8,
+        "reward": "tokens_per_second", "policy_kind": "uniform",
+    }  # fmt: skip
+    path.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    return path
+
+
 def test_static_grid_pools_each_actions_windows_per_batch_size(tmp_path):
     from sglang_tts.control.training import static_grid
 
     a, b = Action(1, 2), Action(3, 2)
-    header = {
-        "type": "header", "format": "sglang-tts-controller-trace", "version": 1, "max_steps": 3,
-        "feature_names": feature_names(3), "actions": [a.to_dict(), b.to_dict()], "persistence": 8,
-        "reward": "tokens_per_second", "policy_kind": "uniform",
-    }  # fmt: skip
 
     def window(action, tokens, seconds, batch):
         w = {"tokens": tokens, "seconds": seconds, "mean_batch_size": batch}
@@ -156,8 +162,7 @@ def test_static_grid_pools_each_actions_windows_per_batch_size(tmp_path):
         window(a, 60, 1.0, 3.6), window(b, 40, 1.0, 4),  # batch 2-4: a 60, b 40
         window(b, 90, 1.0, 8),  # batch 5-8: only b ran, so that bucket is left out of "overall"
     ]  # fmt: skip
-    path = tmp_path / "t.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    path = write_uniform_trace(tmp_path / "t.jsonl", [a, b], records)
     grid = static_grid(load_traces([path]))
     assert grid["1"]["actions"]["steps=1,S=2"] == {"windows": 2, "tokens_per_s": 20.0}
     assert grid["1"]["best"] == "steps=3,S=2" and grid["2-4"]["best"] == "steps=1,S=2"
@@ -173,11 +178,6 @@ def test_context_headroom_compares_each_contexts_best_action_with_the_static_one
     from sglang_tts.control.training import context_headroom
 
     a, b = Action(1, 2), Action(3, 2)
-    header = {
-        "type": "header", "format": "sglang-tts-controller-trace", "version": 1, "max_steps": 3,
-        "feature_names": feature_names(3), "actions": [a.to_dict(), b.to_dict()], "persistence": 8,
-        "reward": "tokens_per_second", "policy_kind": "uniform",
-    }  # fmt: skip
 
     def windows(action, tokens_per_s, batch, position, n=3):
         w = {"tokens": tokens_per_s, "seconds": 1.0, "mean_batch_size": batch, "mean_output_position": position}
@@ -191,8 +191,7 @@ def test_context_headroom_compares_each_contexts_best_action_with_the_static_one
         # a context where b ran too few windows to compare is left out
         *windows(a, 99, 4, 0), *windows(b, 1, 4, 0, n=2),
     ]  # fmt: skip
-    path = tmp_path / "t.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in [header, *records]) + "\n")
+    path = write_uniform_trace(tmp_path / "t.jsonl", [a, b], records)
     traces = load_traces([path])
     headroom = context_headroom(traces, static="steps=3,S=2")
     rows = {(r["batch"], r["position"]): r for r in headroom["contexts"]}
