@@ -15,7 +15,7 @@ seconds (timing noise then does not reach the policy; the cost model goes into t
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +118,29 @@ def _bucket(mean_batch_size: float) -> str:
     return next(label for label, low, high in BATCH_BUCKETS if low <= size <= high)
 
 
+_BUCKET_ORDER = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
+
+
+def _pooled_windows(traces: TraceSet, context: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[Action, list[float]]]:
+    """Per context (``context(window)``) and action: [sum of tokens, sum of seconds, windows] of the
+    logged windows. Records without the needed fields or with no measured time are left out."""
+    totals: dict[Any, dict[Action, list[float]]] = {}
+    for record in traces.records:
+        try:
+            action = Action.from_dict(record["action"])
+            w = record["window"]
+            tokens, seconds, key = float(w["tokens"]), float(w["seconds"]), context(w)
+        except (KeyError, TypeError, ValueError):
+            continue
+        if not seconds > 0:
+            continue
+        cell = totals.setdefault(key, {}).setdefault(action, [0.0, 0.0, 0])
+        cell[0] += tokens
+        cell[1] += seconds
+        cell[2] += 1
+    return totals
+
+
 def static_grid(traces: TraceSet) -> dict[str, Any]:
     """The grid search for the best static configuration, from logged windows: per batch-size bucket and
     action, the pooled tokens/s of the windows that ran it (sum of tokens / sum of seconds), and the best
@@ -125,27 +148,15 @@ def static_grid(traces: TraceSet) -> dict[str, Any]:
     ran, and the best. With a uniform logging policy every action is tried in the same mix of states,
     so this compares actions on equal terms; it measures each action's immediate throughput (a stride's
     later effect on acceptance is shared by the windows that follow it)."""
-    totals: dict[str, dict[Action, list[float]]] = {}
-    for record in traces.records:
-        try:
-            action = Action.from_dict(record["action"])
-            w = record["window"]
-            tokens, seconds, batch = float(w["tokens"]), float(w["seconds"]), float(w["mean_batch_size"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if not seconds > 0:
-            continue
-        cell = totals.setdefault(_bucket(batch), {}).setdefault(action, [0.0, 0.0, 0])
-        cell[0] += tokens
-        cell[1] += seconds
-        cell[2] += 1
-    order = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
+    totals = _pooled_windows(traces, lambda w: _bucket(float(w["mean_batch_size"])))
     grid: dict[str, Any] = {}
-    for label in sorted(totals, key=order.__getitem__):
+    for label in sorted(totals, key=_BUCKET_ORDER.__getitem__):
         cells = {a: {"windows": int(n), "tokens_per_s": t / s} for a, (t, s, n) in sorted(totals[label].items())}
         best = max(cells, key=lambda a: cells[a]["tokens_per_s"])
         grid[label] = {"actions": {str(a): c for a, c in cells.items()}, "best": str(best)}
-    complete = [label for label in sorted(totals, key=order.__getitem__) if set(totals[label]) == set(traces.actions)]
+    complete = [
+        label for label in sorted(totals, key=_BUCKET_ORDER.__getitem__) if set(totals[label]) == set(traces.actions)
+    ]
     if complete:
         geo = {
             str(a): math.exp(
@@ -171,26 +182,16 @@ def context_headroom(traces: TraceSet, static: str | None = None, position_bucke
         if overall is None:
             return {}
         static = overall["best"]
-    totals: dict[tuple[str, int], dict[str, list[float]]] = {}
-    for record in traces.records:
-        try:
-            action = str(Action.from_dict(record["action"]))
-            w = record["window"]
-            tokens, seconds = float(w["tokens"]), float(w["seconds"])
-            batch, position = float(w["mean_batch_size"]), float(w["mean_output_position"])
-        except (KeyError, TypeError, ValueError):
-            continue
-        if not seconds > 0:
-            continue
-        key = (_bucket(batch), int(position // position_bucket) * position_bucket)
-        cell = totals.setdefault(key, {}).setdefault(action, [0.0, 0.0, 0])
-        cell[0] += tokens
-        cell[1] += seconds
-        cell[2] += 1
-    order = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
+
+    def context(w):
+        position = int(float(w["mean_output_position"]) // position_bucket) * position_bucket
+        return _bucket(float(w["mean_batch_size"])), position
+
+    totals = _pooled_windows(traces, context)
     contexts = []
-    for (label, position), cells in sorted(totals.items(), key=lambda kv: (order[kv[0][0]], kv[0][1])):
-        rates = {a: t / s for a, (t, s, n) in cells.items() if n >= min_windows}
+    for label, position in sorted(totals, key=lambda key: (_BUCKET_ORDER[key[0]], key[1])):
+        cells = totals[(label, position)]
+        rates = {str(a): t / s for a, (t, s, n) in cells.items() if n >= min_windows}
         if static not in rates:
             continue
         best = max(rates, key=rates.__getitem__)
@@ -204,11 +205,10 @@ def context_headroom(traces: TraceSet, static: str | None = None, position_bucke
         total = sum(r["windows"] for r in rows)
         return math.exp(sum(r["windows"] * math.log(r["ratio"]) for r in rows) / total) if total else None
 
-    by_batch = {
-        label: {"contexts": len(rows), "ratio": weighted_ratio(rows)}
-        for label in dict.fromkeys(r["batch"] for r in contexts)
-        for rows in [[r for r in contexts if r["batch"] == label]]
-    }
+    rows_by_batch: dict[str, list[dict[str, Any]]] = {}
+    for row in contexts:
+        rows_by_batch.setdefault(row["batch"], []).append(row)
+    by_batch = {label: {"contexts": len(rows), "ratio": weighted_ratio(rows)} for label, rows in rows_by_batch.items()}
     return {
         "static": static, "position_bucket": position_bucket, "min_windows": min_windows,
         "contexts": contexts, "by_batch": by_batch, "overall": weighted_ratio(contexts),
