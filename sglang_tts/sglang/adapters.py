@@ -64,13 +64,15 @@ def _pool_index(req) -> int | None:
     return int(index) if index is not None else None
 
 
-def _decoder_layer_of(module_name: str) -> str:
-    """'layers.0.self_attn.qkv_proj' -> 'layers.0' (the decoder layer that owns a projection)."""
+def _decoder_layer_of(module_name: str) -> str | None:
+    """'layers.0.self_attn.qkv_proj' -> 'layers.0' (the decoder layer that owns a projection); None
+    for a projection outside the decoder layers (EAGLE-3's `fc`), which the model body's pre-hook maps.
+    A pre-hook on such a module itself would see no ForwardBatch and clear the mapping."""
     parts = module_name.split(".")
     if "layers" in parts:
         i = parts.index("layers")
         return ".".join(parts[: i + 2])
-    return parts[0]  # e.g. 'midlayer'
+    return None
 
 
 class ServingAdapters:
@@ -98,6 +100,9 @@ class ServingAdapters:
         owners = {_decoder_layer_of(name) for name in segments}
         if isinstance(getattr(draft_model, "model", None), nn.Module):
             owners.add("model")
+        elif None in owners:
+            raise RuntimeError("per-request adapters: SGLang's draft model has no body to map tokens before `fc`")
+        owners.discard(None)
         for owner_name in sorted(owners):
             owner = draft_model.model if owner_name == "model" else _find_module(draft_model, owner_name)
             self.handles.append(owner.register_forward_pre_hook(self._before_layer, with_kwargs=True))
@@ -170,10 +175,14 @@ class ServingAdapters:
         return hook
 
 
-# Adapted layers (both kinds). Not K/V or fc: DFlash's context-K/V writer uses those weights outside
-# any module call, and for EAGLE-3 adapting them made SGLang's drafts and the differentiable
-# drafter's disagree (not yet understood), so they stay frozen until that is.
-ADAPTED_LAYERS = ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Adapted layers per drafter kind. EAGLE-3: every linear layer the drafter calls as a module (its
+# drafted K/V go to SGLang's draft KV pool, which the canvas reads back as `past_kv`, so both sides
+# see the same cached context). DFlash: not K/V or fc, whose weights SGLang's context-K/V writer
+# uses outside any module call (dflash_worker.py), where no hook can add a delta.
+ADAPTED_LAYERS = {
+    "eagle3": ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "dflash": ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+}
 
 
 def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
@@ -182,5 +191,5 @@ def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
         num_slots=config.max_adapted_requests,
         rank=config.adapter_rank,
         alpha=config.adapter_alpha,
-        layers=ADAPTED_LAYERS,
+        layers=ADAPTED_LAYERS[drafter.kind],
     )
