@@ -38,6 +38,9 @@ from sglang_tts.config import FULL_RANK
 from sglang_tts.core.canvas import Canvas
 
 NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
+# The drafter's LM head. Drafters read its weight (`lm_head_weight`, so the loss can fuse the head)
+# instead of calling it, so no hook fires there: its delta is added in `AdaptedDrafter.canvas_logits`.
+LM_HEAD = "lm_head"
 
 
 @dataclass(frozen=True)
@@ -254,8 +257,15 @@ class AdaptedDrafter(nn.Module):
         adapted = adaptable_linears(base, layers)
         self.bank = LowRankBank(adapted, num_slots, rank, alpha, seed)
         self.active_slots: torch.Tensor | None = None
+        self.head_layer: int | None = None  # bank index of the LM head, if adapted
         for i, layer in enumerate(adapted):
-            base.get_submodule(layer.name).register_forward_hook(_RowDeltaHook(self, i))
+            module = base.get_submodule(layer.name)
+            if layer.name == LM_HEAD:
+                if module.weight is not base.lm_head_weight():
+                    raise ValueError("the drafter's lm_head module is not the LM head its logits use")
+                self.head_layer = i
+                continue
+            module.register_forward_hook(_RowDeltaHook(self, i))
         if hasattr(base, "draft_to_target_ids"):  # EAGLE-3's draft -> target vocabulary map
             self.draft_to_target_ids = base.draft_to_target_ids
 
@@ -272,7 +282,16 @@ class AdaptedDrafter(nn.Module):
         return self._with_slots(canvas, self.base.canvas_hidden)
 
     def canvas_logits(self, canvas: Canvas) -> torch.Tensor:
-        return self._with_slots(canvas, self.base.canvas_logits)
+        if self.head_layer is None or canvas.slots is None:
+            return self._with_slots(canvas, self.base.canvas_logits)
+        hidden = self.canvas_hidden(canvas)  # logits = hidden @ head.T (the DifferentiableDrafter contract)
+        return hidden @ self.lm_head_weight().T + self.bank.row_delta(self.head_layer, hidden, canvas.slots)
+
+    @property
+    def lm_head_per_row(self) -> bool:
+        """True when each row has its own LM-head delta: the loss must use `canvas_logits` (no one
+        shared head to fuse)."""
+        return self.head_layer is not None
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.base.lm_head_weight()

@@ -50,7 +50,7 @@ from torch import nn
 from sglang_tts.config import TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
-from sglang_tts.core.loss import compute_loss
+from sglang_tts.core.loss import compute_loss, tts_loss
 from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.stats import DistillerStats
 
@@ -331,16 +331,20 @@ class Distiller:
         for step in range(cfg.steps_per_update):
             self.optimizer.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                out = compute_loss(
-                    drafter.canvas_hidden(canvas),
-                    drafter.lm_head_weight(),
-                    teacher,
-                    weights,
-                    mask,
-                    prev_logits,
-                    cfg.reg_lambda if use_reg else 0.0,
-                    cfg.loss_backend,
-                )
+                reg_lambda = cfg.reg_lambda if use_reg else 0.0
+                if getattr(drafter, "lm_head_per_row", False):  # per-request LM heads: nothing to fuse
+                    out = tts_loss(drafter.canvas_logits(canvas), teacher, weights, mask, prev_logits, reg_lambda)
+                else:
+                    out = compute_loss(
+                        drafter.canvas_hidden(canvas),
+                        drafter.lm_head_weight(),
+                        teacher,
+                        weights,
+                        mask,
+                        prev_logits,
+                        reg_lambda,
+                        cfg.loss_backend,
+                    )
                 loss = out.loss
                 if fault == "nan" and step == cfg.steps_per_update - 1:
                     loss = loss * math.nan

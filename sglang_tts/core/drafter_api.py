@@ -23,7 +23,9 @@ class DifferentiableDrafter(Protocol):
 
     def canvas_hidden(self, canvas: Canvas) -> torch.Tensor:
         """Final (normed) hidden states [B, C, H] at every canvas position, differentiable; the
-        logits are `canvas_hidden(c) @ lm_head_weight().T` (split so the loss can fuse the head)."""
+        logits are `canvas_hidden(c) @ lm_head_weight().T` (split so the loss can fuse the head),
+        unless the drafter sets `lm_head_per_row = True` (per-request LM-head adapters), in which
+        case the update takes its logits from `canvas_logits`."""
         ...
 
     def lm_head_weight(self) -> torch.Tensor:

@@ -18,7 +18,7 @@ import logging
 import torch
 from torch import nn
 
-from sglang_tts.core.adapters import AdaptedDrafter, ServingBank, SlotTable
+from sglang_tts.core.adapters import LM_HEAD, AdaptedDrafter, ServingBank, SlotTable
 from sglang_tts.core.publish import STACKED_PARAMS, WeightPublisher
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,8 @@ def _serving_segments(draft_model: nn.Module, adapted: AdaptedDrafter) -> dict[s
     fused_of = {part: fused for fused, parts in STACKED_PARAMS.items() for part in parts}
     segments: dict[str, list[tuple[str, int, int]]] = {}
     for name, layer in layers.items():
+        if name == LM_HEAD:  # SGLang reads the head's weight in its LogitsProcessor: see _LogitsDelta
+            continue
         parent, _, leaf = name.rpartition(".")
         if _find_module(draft_model, name) is not None:
             segments.setdefault(name, []).append((name, 0, layer.out_features))
@@ -109,6 +111,11 @@ class ServingAdapters:
         for module_name, parts in segments.items():
             module = _find_module(draft_model, module_name)
             self.handles.append(module.register_forward_hook(self._delta_hook(parts)))
+        if LM_HEAD in self.bank.index:
+            processor = getattr(draft_model, "logits_processor", None)
+            if processor is None:
+                raise RuntimeError("per-request adapters: SGLang's draft model has no LogitsProcessor for lm_head")
+            self.handles.append(_LogitsDelta(self, processor))
 
     # --- per batch (scheduler thread) ---------------------------------------------------------------
 
@@ -175,12 +182,50 @@ class ServingAdapters:
         return hook
 
 
-# Adapted layers per drafter kind. EAGLE-3: every linear layer the drafter calls as a module (its
-# drafted K/V go to SGLang's draft KV pool, which the canvas reads back as `past_kv`, so both sides
-# see the same cached context). DFlash: not K/V or fc, whose weights SGLang's context-K/V writer
-# uses outside any module call (dflash_worker.py), where no hook can add a delta.
+class _LogitsDelta:
+    """The LM head's per-request delta in SGLang's draft logits.
+
+    SGLang's LogitsProcessor computes logits from the LM head's weight (`_compute_lm_head`), after
+    choosing which token rows get logits (`_get_pruned_states`: all rows when drafting, selected
+    or last rows in an extend); neither is a module call. Both methods are wrapped on this one
+    instance: the pruning is replayed on a column of the tokens' bank rows, so every logits row
+    knows its request, and the delta is added to the logits. `remove()` restores the methods."""
+
+    def __init__(self, owner: ServingAdapters, processor: nn.Module) -> None:
+        self.owner, self.processor = owner, processor
+        self.rows: torch.Tensor | None = None
+        prune, compute = processor._get_pruned_states, processor._compute_lm_head
+
+        def get_pruned_states(hidden_states, hidden_states_before_norm, aux_hidden_states, logits_metadata):
+            out = prune(hidden_states, hidden_states_before_norm, aux_hidden_states, logits_metadata)
+            token_rows, self.rows = owner._token_rows, None
+            if token_rows is not None and token_rows.shape[0] == hidden_states.shape[0]:
+                column = token_rows.to(torch.float32)[:, None]  # small integers: exact in fp32
+                self.rows = prune(column, None, None, logits_metadata)[0][:, 0].long()
+            return out
+
+        def compute_lm_head(hidden_states, lm_head, embedding_bias=None, *, out=None):
+            logits = compute(hidden_states, lm_head, embedding_bias, out=out)
+            rows, self.rows = self.rows, None
+            if rows is None or rows.shape[0] != hidden_states.shape[0]:
+                return logits  # rows we could not map: the base LM head
+            return logits + owner.bank.delta(LM_HEAD, hidden_states, rows).to(logits.dtype)
+
+        processor._get_pruned_states = get_pruned_states
+        processor._compute_lm_head = compute_lm_head
+
+    def remove(self) -> None:
+        for name in ("_get_pruned_states", "_compute_lm_head"):
+            self.processor.__dict__.pop(name, None)
+
+
+# Adapted layers per drafter kind. EAGLE-3: every linear layer, and its own LM head if it has one
+# (a head borrowed from the target is left alone). Its drafted K/V go to SGLang's draft KV pool,
+# which the canvas reads back as `past_kv`, so both sides see the same cached context. DFlash: not
+# K/V or fc, whose weights SGLang's context-K/V writer uses outside any module call
+# (dflash_worker.py), where no hook can add a delta.
 ADAPTED_LAYERS = {
-    "eagle3": ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "eagle3": ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", LM_HEAD),
     "dflash": ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
 

@@ -3,6 +3,7 @@ agreement."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from core_testing import TinyDrafter, TinyTeacher, random_canvas
 from sglang_tts.config import TTSConfig
 from sglang_tts.core.adapters import (
     FULL_RANK,
+    LM_HEAD,
     NO_SLOT,
     AdaptedDrafter,
     ServingBank,
@@ -21,9 +23,17 @@ from sglang_tts.core.adapters import (
 )
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import SyncExecutor
+from sglang_tts.core.loss import compute_loss, tts_loss
 from sglang_tts.core.publish import WeightPublisher
 
 LAYERS = ("inp", "qkv", "attn_out")
+WITH_HEAD = (*LAYERS, LM_HEAD)  # the LM head is read by weight, not called: its delta takes another path
+
+
+@dataclass(frozen=True)
+class Spec:
+    rank: int | str
+    layers: tuple[str, ...] = LAYERS
 
 
 def _config(**overrides: Any) -> TTSConfig:
@@ -31,13 +41,16 @@ def _config(**overrides: Any) -> TTSConfig:
     return TTSConfig(**{**base, **overrides})
 
 
-@pytest.fixture(params=[4, FULL_RANK], ids=["rank4", "full"])
-def rank(request) -> int | str:
+@pytest.fixture(
+    params=[Spec(4), Spec(FULL_RANK), Spec(4, WITH_HEAD), Spec(FULL_RANK, WITH_HEAD)],
+    ids=["rank4", "full", "rank4-head", "full-head"],
+)
+def spec(request) -> Spec:
     return request.param
 
 
-def _adapted(rank: int | str, num_slots: int = 4) -> AdaptedDrafter:
-    return AdaptedDrafter(TinyDrafter(seed=0), num_slots=num_slots, rank=rank, layers=LAYERS)
+def _adapted(spec: Spec, num_slots: int = 4) -> AdaptedDrafter:
+    return AdaptedDrafter(TinyDrafter(seed=0), num_slots=num_slots, rank=spec.rank, layers=spec.layers)
 
 
 def _with_slots(canvas, slots):
@@ -54,16 +67,16 @@ def _teacher_canvas(teachers, generator, slots):
     return _with_slots(canvas, slots)
 
 
-def test_a_fresh_slot_drafts_exactly_like_the_base_drafter(generator, rank):
-    drafter = _adapted(rank)
+def test_a_fresh_slot_drafts_exactly_like_the_base_drafter(generator, spec):
+    drafter = _adapted(spec)
     canvas = random_canvas(generator, batch=3)
     base = drafter.base.canvas_logits(canvas)
     assert torch.equal(drafter.canvas_logits(_with_slots(canvas, [0, NO_SLOT, 2])), base)
 
 
-def test_one_backward_gives_each_request_only_its_own_gradient(generator, rank):
+def test_one_backward_gives_each_request_only_its_own_gradient(generator, spec):
     """The batched loss's gradient on slot 0 equals the gradient of row 0's loss alone."""
-    drafter = _adapted(rank)
+    drafter = _adapted(spec)
     teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
     canvas = _teacher_canvas([teacher_a, teacher_b], generator, [0, 1])
     with torch.no_grad():  # move B off zero so A's gradient is non-trivial too
@@ -96,8 +109,8 @@ def _row(canvas, i):
     return out
 
 
-def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_diverge(generator, rank):
-    drafter = _adapted(rank)
+def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_diverge(generator, spec):
+    drafter = _adapted(spec)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     serving = distiller.serving_drafter
     teacher_a, teacher_b = TinyTeacher(seed=11), TinyTeacher(seed=12)
@@ -134,8 +147,8 @@ def test_updates_for_one_request_do_not_change_anothers_drafts_and_adapters_dive
     assert agreement(0, 0) > agreement(NO_SLOT, 0) + 0.2
 
 
-def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(generator, rank):
-    drafter = _adapted(rank)
+def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(generator, spec):
+    drafter = _adapted(spec)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     teacher = TinyTeacher(seed=11)
     distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
@@ -149,8 +162,8 @@ def test_a_request_not_due_an_update_keeps_its_weights_despite_adam_momentum(gen
     assert any(not torch.equal(after[n], slot1[n]) for n in distiller.trained_drafter.bank.slot_parameter_names(0))
 
 
-def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(generator, rank):
-    drafter = _adapted(rank, num_slots=2)
+def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(generator, spec):
+    drafter = _adapted(spec, num_slots=2)
     distiller = Distiller(drafter, _config(), executor=SyncExecutor())
     initial = {n: p.detach().clone() for n, p in distiller.trained_drafter.trainable_named_parameters()}
     teacher = TinyTeacher(seed=11)
@@ -181,9 +194,9 @@ def test_slot_table_caps_counts_and_reuses_slots():
         SlotTable(0)
 
 
-def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator, rank):
+def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator, spec):
     """Per-token gathered deltas on the published stacks == the training path's per-row deltas."""
-    drafter = _adapted(rank, num_slots=3)
+    drafter = _adapted(spec, num_slots=3)
     with torch.no_grad():
         for p in (*drafter.bank.a, *drafter.bank.b):
             p.normal_()
@@ -217,8 +230,36 @@ def test_dense_delta_matches_the_per_row_formula_and_full_slots_cost_out_times_i
     slots = torch.tensor([0, 2, 1, 1, 0, 2, 2])
     expected = torch.stack([d[s] @ x[n] for n, s in enumerate(slots.tolist())])
     torch.testing.assert_close(dense_delta(x, d, slots), expected)
-    full, low = _adapted(FULL_RANK).bank, _adapted(4).bank
+    full, low = _adapted(Spec(FULL_RANK)).bank, _adapted(Spec(4)).bank
     assert full.slot_nbytes() == 4 * sum(x.out_features * x.in_features for x in full.layers)
     assert low.slot_nbytes() == 4 * sum(4 * (x.out_features + x.in_features) for x in low.layers)
     with pytest.raises(ValueError, match="full"):
-        _adapted("half")
+        _adapted(Spec("half"))
+
+
+def test_an_adapted_lm_head_takes_the_unfused_loss_and_trains_its_own_delta(generator):
+    """The head is read by weight (the fused loss's shared W), so a per-row head delta needs the
+    logits path: at zero deltas both give the same loss; after updates the head delta has moved
+    and a fresh slot still drafts like the base drafter."""
+    drafter = _adapted(Spec(4, WITH_HEAD))
+    assert drafter.lm_head_per_row and not _adapted(Spec(4)).lm_head_per_row
+    canvas = _teacher_canvas([TinyTeacher(seed=11)], generator, [0])
+    probs, mask = drafter.teacher_probs(canvas)
+    weights = torch.ones(canvas.length)
+    hidden, head = drafter.canvas_hidden(canvas), drafter.lm_head_weight()
+    fused = compute_loss(hidden, head, probs, weights, mask, backend="chunked")
+    unfused = tts_loss(drafter.canvas_logits(canvas), probs, weights, mask)
+    torch.testing.assert_close(fused.loss, unfused.loss, rtol=1e-5, atol=1e-6)
+
+    distiller = Distiller(drafter, _config(), executor=SyncExecutor())
+    slot0 = drafter.bank.slot_parameter_names(0)
+    head_b = [n for n in slot0 if ".b." in n and drafter.bank.layer_of_parameter(n) == drafter.head_layer]
+    for _ in range(3):
+        distiller.barrier()
+        distiller.observe(canvas)
+    distiller.barrier(force=True)
+    assert distiller.stats.num_updates == 3
+    trained = dict(drafter.trainable_named_parameters())
+    assert head_b and all(trained[n].abs().sum() > 0 for n in head_b)  # B starts at zero
+    probe = _with_slots(random_canvas(generator, batch=1), [1])
+    assert torch.equal(distiller.serving_drafter.canvas_logits(probe), drafter.base.canvas_logits(probe))
