@@ -95,7 +95,8 @@ def test_one_backward_gives_each_request_only_its_own_gradient(generator, spec):
     slot0 = set(drafter.bank.slot_parameter_names(0))
     slot1 = set(drafter.bank.slot_parameter_names(1))
     for name in slot0:
-        torch.testing.assert_close(both[name], only_a[name], rtol=1e-5, atol=1e-7)
+        # Equal up to float summation order (the head's gradient sums over the vocabulary).
+        torch.testing.assert_close(both[name], only_a[name], rtol=1e-4, atol=1e-6)
         assert only_a[name].abs().sum() > 0
     for name in slot1:
         assert only_a[name] is None  # row 0 never touches slot 1
