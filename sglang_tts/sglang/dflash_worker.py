@@ -108,6 +108,8 @@ class TTSDFlashWorker(DFlashWorkerV2):
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if not is_decode:
+            if not batch.forward_mode.is_idle():
+                self.tts.bind_extend_batch(batch.reqs)
             return super().forward_batch_generation(
                 batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
             )

@@ -73,6 +73,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
             if control is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
+        elif not batch.forward_mode.is_idle():
+            self.tts.bind_extend_batch(batch.reqs)
         result = super().forward_batch_generation(
             batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
         )

@@ -29,7 +29,6 @@ logger = logging.getLogger(__name__)
 FAULT_ENV = "SGLANG_TTS_FAULT"
 # Numerical self-check of the differentiable fallback against SGLang's drafted tokens (topk == 1).
 CHECK_ENV = "SGLANG_TTS_CHECK_FALLBACK"
-TIE_TOLERANCE = 1e-4  # relative logit gap under which two draft tokens count as tied
 
 
 def fault_injector_from_env():
@@ -118,6 +117,18 @@ class TTSRuntime:
             if self.metrics is not None:
                 self.metrics.resets.inc()
         self._absorbing(self.distiller.barrier)
+
+    def bind_extend_batch(self, reqs) -> None:
+        """Per-request adapters, before a prefill (extend) batch's draft forward: map its requests'
+        tokens afresh. They hold no slot yet (row 0: the base drafter); without this the table still
+        maps the last decode batch, and a new request that reuses a finished one's req_pool_idx
+        would draft its prompt with that request's adapter."""
+        if self.slots is None:
+            return
+        try:
+            self.serving_adapters.set_batch(reqs, self.slots)
+        except Exception:  # noqa: BLE001 - a draft with a stale map is slower, never a failed batch
+            logger.exception("sglang-tts: could not map the prefill batch to adapter rows")
 
     def bind_batch(self, reqs) -> None:
         """Per-request adapters: give this batch's new requests a slot (while the cap allows) and
@@ -241,19 +252,15 @@ class TTSRuntime:
         position k; the differentiable drafter, fed the same inputs and weights, must agree."""
         with torch.inference_mode(False):
             logits = self.drafter.canvas_logits(canvas)
-        # A drafted token agrees if it is the argmax up to float rounding: SGLang's fused kernels sum
-        # in another order, so an exact near-tie may break either way (seen once on CI: 2 positions in a run).
-        top = logits.max(-1, keepdim=True).values
-        near_top = logits >= top - TIE_TOLERANCE * top.abs().clamp(min=1.0)  # [B, C, V_draft]
-        ids = self.drafter.draft_to_target_ids() if hasattr(self.drafter, "draft_to_target_ids") else None
+        if hasattr(self.drafter, "draft_to_target_ids"):
+            predicted = self.drafter.draft_to_target_ids()[logits.argmax(-1)]
+        else:
+            predicted = logits.argmax(-1)
         for i, rid in enumerate(canvas.request_ids):
             n = int(canvas.valid[i].sum())
             if n < 2:
                 continue
-            drafted = canvas.input_ids[i, 1:n].to(logits.device)
-            candidates = near_top[i, : n - 1]  # [n - 1, V_draft]
-            vocab = ids if ids is not None else torch.arange(candidates.shape[-1], device=logits.device)
-            agree = (candidates & (vocab[None, :] == drafted[:, None])).any(-1)
+            agree = predicted[i, : n - 1] == canvas.input_ids[i, 1:n].to(predicted.device)
             c = self.counters(rid)
             c.fallback_checked += n - 1
             c.fallback_mismatches += int((~agree).sum())

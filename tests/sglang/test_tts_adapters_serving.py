@@ -69,14 +69,13 @@ def test_every_output_is_the_targets_greedy_output(runs, loopy_llama):
 
 
 def test_sglang_drafts_with_exactly_the_adapter_each_request_trained(runs):
-    metas = [r["meta_info"] for r, _ in _all(runs)]
-    checked = sum(m["tts_fallback_checked"] for m in metas if not m["tts_adapter_capped"])
-    mismatches = sum(m["tts_fallback_mismatches"] for m in metas)
-    assert checked > 100
-    # Since fc, K/V and the LM head are adapted too, some runs see a rare mismatch (2 in a run, in
-    # some batch timings; not understood yet, see README). A hook that misses a layer or a request
-    # disagrees on many positions (a missed fc delta: 166 here), far above this bound.
-    assert mismatches <= 0.01 * checked, (mismatches, checked)
+    # Exact: the waves reuse finished requests' req_pool_idx, so a prefill drafted with a stale
+    # request -> adapter map (another request's adapter) shows up here as mismatches.
+    for result, _ in _all(runs):
+        meta = result["meta_info"]
+        assert meta["tts_fallback_mismatches"] == 0
+    adapted = [r for r, _ in _all(runs) if not r["meta_info"]["tts_adapter_capped"]]
+    assert sum(r["meta_info"]["tts_fallback_checked"] for r in adapted) > 100
 
 
 def test_each_request_adapts_its_own_adapter_from_the_base(runs):
@@ -146,9 +145,7 @@ def test_dense_per_request_deltas_adapt_each_request_and_beat_the_frozen_drafter
         a, b, a_frozen = _run_together(server.base_url, [PROMPT_A, PROMPT_B, PROMPT_A], stagger_s=0.5)
     for result, prompt in ((a, PROMPT_A), (b, PROMPT_B), (a_frozen, PROMPT_A)):
         assert result["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
-    checked = sum(r["meta_info"]["tts_fallback_checked"] for r in (a, b))
-    mismatches = sum(r["meta_info"]["tts_fallback_mismatches"] for r in (a, b, a_frozen))
-    assert mismatches <= 0.01 * checked, (mismatches, checked)  # see the test above
+        assert result["meta_info"]["tts_fallback_mismatches"] == 0
     meta_a, meta_b, meta_frozen = a["meta_info"], b["meta_info"], a_frozen["meta_info"]
     assert meta_frozen["tts_adapter_capped"] == 1 and meta_frozen["tts_num_updates"] == 0
     for meta in (meta_a, meta_b):
