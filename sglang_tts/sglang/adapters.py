@@ -192,7 +192,7 @@ class _LogitsDelta:
     knows its request, and the delta is added to the logits. `remove()` restores the methods."""
 
     def __init__(self, owner: ServingAdapters, processor: nn.Module) -> None:
-        self.owner, self.processor = owner, processor
+        self.processor = processor
         self.rows: torch.Tensor | None = None
         prune, compute = processor._get_pruned_states, processor._compute_lm_head
 

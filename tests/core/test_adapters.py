@@ -94,9 +94,11 @@ def test_one_backward_gives_each_request_only_its_own_gradient(generator, spec):
     only_a = grads(_row(canvas, 0))
     slot0 = set(drafter.bank.slot_parameter_names(0))
     slot1 = set(drafter.bank.slot_parameter_names(1))
+    # Equal up to float summation order; with the LM head adapted the sums run over the vocabulary
+    # and differ more (seen on CI: 1.7e-7 absolute), so only those specs get the looser bound.
+    tol = {"rtol": 1e-4, "atol": 1e-6} if LM_HEAD in spec.layers else {"rtol": 1e-5, "atol": 1e-7}
     for name in slot0:
-        # Equal up to float summation order (the head's gradient sums over the vocabulary).
-        torch.testing.assert_close(both[name], only_a[name], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(both[name], only_a[name], **tol)
         assert only_a[name].abs().sum() > 0
     for name in slot1:
         assert only_a[name] is None  # row 0 never touches slot 1
