@@ -6,7 +6,9 @@ setup(
     name="sglang-tts",
     version="0.1.0",
     description="Test-Time Speculation: adapt EAGLE-3 / DFlash drafters online inside SGLang",
-    packages=find_packages(include=["sglang_tts", "sglang_tts.*", "triton_kernels", "triton_kernels.*"]),
+    # One top-level name. The update kernels live in sglang_tts.kernels, not a top-level triton_kernels:
+    # that is OpenAI's package, which SGLang imports for MXFP4/FP8 models (tests/test_distribution.py).
+    packages=find_packages(include=["sglang_tts", "sglang_tts.*"]),
     python_requires=">=3.10",
     # sglang and torch are installed by scripts/setup_env.sh (CPU build of torch, sglang --no-deps);
     # listing them here would let pip pull CUDA wheels.

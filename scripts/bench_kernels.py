@@ -3,7 +3,7 @@
 
 Compares ``naive`` (materialised logits, autograd) with ``chunked`` (PyTorch, Liger-style) and, when CUDA and
 Triton are available, ``triton``. For every (V, N) shape it reports the median wall time of forward+backward
-and two peaks measured by replaying the allocator events (``triton_kernels.memory``):
+and two peaks measured by replaying the allocator events (``sglang_tts.kernels.memory``):
 
 * total   - every byte allocated above the starting level, gradients included;
 * working - the same without the returned ``dL/dhidden`` and ``dL/dW`` (identical for all backends), i.e. the
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 from tqdm import tqdm
 
-from triton_kernels import chunked_linear_kl, naive_linear_kl, triton_available
-from triton_kernels.memory import measure_peak_memory
+from sglang_tts.kernels import chunked_linear_kl, naive_linear_kl, triton_available
+from sglang_tts.kernels.memory import measure_peak_memory
 
 MIB = 2**20
 
@@ -52,7 +52,7 @@ class BenchRow:
 def _backend_fns(device: torch.device) -> dict[str, Callable[..., Tensor]]:
     fns: dict[str, Callable[..., Tensor]] = {"naive": naive_linear_kl, "chunked": chunked_linear_kl}
     if device.type == "cuda" and triton_available():
-        from triton_kernels.triton_linear_kl import triton_linear_kl
+        from sglang_tts.kernels.triton_linear_kl import triton_linear_kl
 
         fns["triton"] = triton_linear_kl
     return fns

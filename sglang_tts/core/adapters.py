@@ -19,7 +19,8 @@ Two views of the same bank:
     the delta of each canvas row's slot (rows = requests, `Canvas.slots`);
   - serving (an engine's own draft model): `ServingBank` keeps the published slots stacked,
     [num_slots + 1, r, in] with row 0 all zeros ("no adapter": requests beyond the cap), and
-    `lowrank_delta` applies them per token (gathered batched matmul; a Triton kernel on CUDA).
+    `sglang_tts.kernels.lowrank_delta` applies them per token (gathered batched matmul; a Triton
+    kernel on CUDA).
 
 Memory is allocated once for `num_slots` (static buffers, as CUDA graphs need); a released slot is
 reset to its initial values and its optimiser state dropped, so nothing of a request outlives it.
@@ -36,6 +37,7 @@ from torch import nn
 
 from sglang_tts.config import FULL_RANK
 from sglang_tts.core.canvas import Canvas
+from sglang_tts.kernels import lowrank_delta
 
 NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
 # The drafter's LM head. Drafters read its weight (`lm_head_weight`, so the loss can fuse the head)
@@ -62,13 +64,6 @@ def adaptable_linears(drafter: nn.Module, suffixes: Sequence[str]) -> list[Adapt
     if not found:
         raise ValueError(f"the drafter has no linear layer named {list(suffixes)} to adapt")
     return found
-
-
-def lowrank_delta(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, scale: float) -> torch.Tensor:
-    """scale * B[slots[n]] @ (A[slots[n]] @ x[n]) for every row n: x [N, in], a [S, r, in],
-    b [S, out, r], slots [N] (indices into the stacks) -> [N, out]. PyTorch reference."""
-    h = torch.bmm(a[slots], x.unsqueeze(-1))  # [N, r, 1]
-    return torch.bmm(b[slots], h).squeeze(-1) * scale
 
 
 def dense_delta(x: torch.Tensor, d: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -359,14 +354,8 @@ class ServingBank:
         i = self.index[name]
         if self.dense:
             return dense_delta(x, self.b[i].to(x.dtype), stack_rows)
-        a, b = self.a[i], self.b[i]
-        rank = a.shape[1]
-        if x.is_cuda and not rank & (rank - 1):
-            from triton_kernels.lowrank import triton_available, triton_lowrank_delta
-
-            if triton_available():  # reads each token's adapter in place instead of gathering copies
-                return triton_lowrank_delta(x, a, b, stack_rows, self.scale)
-        return lowrank_delta(x, a.to(x.dtype), b.to(x.dtype), stack_rows, self.scale)
+        # The Triton kernel on CUDA reads each token's adapter in place instead of gathering copies.
+        return lowrank_delta(x, self.a[i], self.b[i], stack_rows, self.scale)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.a, *self.b))

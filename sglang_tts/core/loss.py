@@ -1,4 +1,4 @@
-"""The TTS distillation loss (paper, section 4.1) and its backend dispatch.
+"""The TTS distillation loss (paper, section 4.1): the reference and the distiller's entry point.
 
     L(q) = sum_k w_k KL(p_k || q_k) + lambda * sum_k w_k KL(q_t,k || q_k)
 
@@ -13,20 +13,20 @@ Note on lambda: with one optimizer step per update the regulariser's gradient is
 steps_per_update > 1; the Distiller skips the extra drafter forward in that case.
 
 `tts_loss` is the readable reference on materialised logits. `compute_loss` is the entry point
-the distiller uses: "naive" materialises the [B, C, V] logits; "chunked"/"triton" hand the hidden
-states and the LM head to `triton_kernels.fused_linear_kl`, which never materialises them.
+the distiller uses: "naive" materialises the [B, C, V] logits; every other backend name hands the
+hidden states and the LM head to `sglang_tts.kernels.fused_linear_kl`, which never materialises
+them and is the one place a kernel backend ("auto" included) is chosen.
 """
 
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-logger = logging.getLogger(__name__)
+from sglang_tts.kernels import fused_linear_kl
 
 
 @dataclass
@@ -100,31 +100,7 @@ def tts_loss(
     return LossOutput(loss, kl_teacher.detach(), kl_reg.detach(), int(mask.sum()))
 
 
-# --- backend dispatch -------------------------------------------------------------------------
-
-_fallback_logged: set[str] = set()
-
-
-def _load_fused_kernel(backend: str):
-    """triton_kernels.fused_linear_kl, or None (logged once per backend) when it cannot be imported."""
-    try:
-        from triton_kernels import fused_linear_kl
-    except Exception as exc:  # noqa: BLE001 - ImportError, or a broken triton install raising anything
-        if backend not in _fallback_logged:
-            _fallback_logged.add(backend)
-            logger.warning("TTS loss backend %r unavailable (%s); using the naive loss", backend, exc)
-        return None
-    return fused_linear_kl
-
-
-def resolve_backend(backend: str, device: torch.device) -> str:
-    """ "auto" -> "triton" on CUDA (if importable), else the memory-efficient "chunked" PyTorch path
-    (which falls back to "naive" only if triton_kernels cannot be imported); other names pass through."""
-    if backend != "auto":
-        return backend
-    if device.type == "cuda" and _load_fused_kernel("triton") is not None:
-        return "triton"
-    return "chunked"
+# --- the entry point ----------------------------------------------------------------------------
 
 
 def compute_loss(
@@ -137,36 +113,33 @@ def compute_loss(
     reg_lambda: float = 0.0,
     backend: str = "naive",
 ) -> LossOutput:
-    """TTS loss from final hidden states [B, C, H] and the LM head [V, H], by backend.
+    """TTS loss from final hidden states [B, C, H] and the LM head [V, H].
 
-    "naive" materialises the logits and uses `tts_loss`; "chunked" / "triton" call
-    `triton_kernels.fused_linear_kl` on the flattened positions, with the mask folded into the
-    per-position weights (pre-divided by B, the same normalisation as `tts_loss`).
+    "naive" materialises the logits and uses `tts_loss` (the only path that reports the two KL
+    terms apart). Every other name ("auto", "chunked", "triton") goes to
+    `sglang_tts.kernels.fused_linear_kl`, the one place a kernel backend is chosen and validated,
+    on the flattened positions, with the mask folded into the per-position weights (pre-divided
+    by B, the same normalisation as `tts_loss`).
     """
-    backend = resolve_backend(backend, hidden.device)
-    if backend in ("chunked", "triton"):
-        fused_linear_kl = _load_fused_kernel(backend)
-        if fused_linear_kl is not None:
-            batch, length, width = hidden.shape
-            w = position_weight_matrix(weights, mask) / batch
-            prev_probs = None
-            if prev_logits is not None and reg_lambda > 0.0:
-                prev_probs = torch.softmax(prev_logits.detach().float(), dim=-1).reshape(batch * length, -1)
-            p = torch.where(mask.unsqueeze(-1), teacher_probs, 0.0).reshape(batch * length, -1)
-            loss = fused_linear_kl(
-                hidden.reshape(batch * length, width),
-                lm_head_weight,
-                p,
-                w.reshape(-1),
-                prev_probs=prev_probs,
-                reg_lambda=reg_lambda,
-                backend=backend,
-            )
-            # The fused kernels return the total only; without the regulariser it is the KL term.
-            nan = torch.full((), math.nan, device=hidden.device)
-            kl_teacher = loss.detach() if prev_probs is None else nan
-            return LossOutput(loss, kl_teacher, nan, int(mask.sum()))
-    if backend not in ("naive", "chunked", "triton"):
-        raise ValueError(f"unknown TTS loss backend {backend!r}")
-    logits = hidden @ lm_head_weight.t()
-    return tts_loss(logits, teacher_probs, weights, mask, prev_logits, reg_lambda)
+    if backend == "naive":
+        logits = hidden @ lm_head_weight.t()
+        return tts_loss(logits, teacher_probs, weights, mask, prev_logits, reg_lambda)
+    batch, length, width = hidden.shape
+    w = position_weight_matrix(weights, mask) / batch
+    prev_probs = None
+    if prev_logits is not None and reg_lambda > 0.0:
+        prev_probs = torch.softmax(prev_logits.detach().float(), dim=-1).reshape(batch * length, -1)
+    p = torch.where(mask.unsqueeze(-1), teacher_probs, 0.0).reshape(batch * length, -1)
+    loss = fused_linear_kl(
+        hidden.reshape(batch * length, width),
+        lm_head_weight,
+        p,
+        w.reshape(-1),
+        prev_probs=prev_probs,
+        reg_lambda=reg_lambda,
+        backend=backend,
+    )
+    # The fused kernels return the total only; without the regulariser it is the KL term.
+    nan = torch.full((), math.nan, device=hidden.device)
+    kl_teacher = loss.detach() if prev_probs is None else nan
+    return LossOutput(loss, kl_teacher, nan, int(mask.sum()))

@@ -534,7 +534,7 @@ class Eagle3Drafter(nn.Module):
         and the mask t2d[argmax target] (EAGLE-3 traineagle3/cnets.py: positions whose target top-1
         lies outside the draft vocabulary are dropped). softmax over the gathered logits equals
         the full softmax gathered and renormalised."""
-        from triton_kernels import gather_draft_probs  # fused Triton gather on CUDA, PyTorch elsewhere
+        from sglang_tts.kernels import gather_draft_probs  # fused Triton gather on CUDA, PyTorch elsewhere
 
         logits = canvas.target_logits
         if logits.shape[-1] != self.cfg.vocab_size:

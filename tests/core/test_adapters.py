@@ -19,7 +19,6 @@ from sglang_tts.core.adapters import (
     ServingBank,
     SlotTable,
     dense_delta,
-    lowrank_delta,
 )
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import SyncExecutor
@@ -216,15 +215,6 @@ def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generato
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert torch.equal(got[1], torch.zeros_like(got[1]))  # "no adapter" row
     assert serving.nbytes() == sum(4 * (t.numel()) for t in (*serving.a, *serving.b))
-
-
-def test_lowrank_delta_reference_matches_the_dense_formula(generator):
-    a = torch.randn(3, 2, 6, generator=generator)
-    b = torch.randn(3, 5, 2, generator=generator)
-    x = torch.randn(7, 6, generator=generator)
-    slots = torch.tensor([0, 2, 1, 1, 0, 2, 2])
-    dense = torch.stack([0.5 * b[s] @ a[s] @ x[n] for n, s in enumerate(slots.tolist())])
-    torch.testing.assert_close(lowrank_delta(x, a, b, slots, 0.5), dense)
 
 
 def test_dense_delta_matches_the_per_row_formula_and_full_slots_cost_out_times_in(generator):

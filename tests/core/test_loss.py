@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 
 import pytest
 import torch
 
-from sglang_tts.core import loss as loss_mod
 from sglang_tts.core.loss import compute_loss, dflash_weights, eagle3_weights, tts_loss
 
 
@@ -143,23 +140,21 @@ def test_naive_backend_equals_reference_and_trains_head(generator):
     assert out.loss.item() == pytest.approx(ref.loss.item(), rel=1e-6)
     out.loss.backward()
     assert hidden.grad.abs().sum() > 0 and head.grad.abs().sum() > 0
-    assert compute_loss(hidden, head, teacher, weights, mask, backend="auto").loss.item() > 0  # CPU -> naive
+    assert compute_loss(hidden, head, teacher, weights, mask, backend="auto").loss.item() > 0  # CPU -> chunked
 
 
-def test_fused_backend_falls_back_to_naive_once(generator, monkeypatch, caplog):
-    monkeypatch.setitem(sys.modules, "triton_kernels", None)  # makes `import triton_kernels` fail
-    monkeypatch.setattr(loss_mod, "_fallback_logged", set())
+def test_kernel_backends_are_chosen_by_the_kernels_dispatcher(generator):
+    """The kernels package resolves "auto" (chunked on CPU) and refuses unknown backend names."""
     hidden, head, teacher, weights, mask, prev = _loss_inputs(generator)
-    naive = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="naive").loss
-    with caplog.at_level(logging.WARNING, logger=loss_mod.__name__):
-        first = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="chunked").loss
-        second = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="chunked").loss
-    assert first.item() == pytest.approx(naive.item()) and second.item() == pytest.approx(naive.item())
-    assert sum("unavailable" in r.message for r in caplog.records) == 1
+    auto = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="auto").loss
+    chunked = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="chunked").loss
+    assert auto.item() == chunked.item()
+    with pytest.raises(ValueError, match="unknown backend 'fast'"):
+        compute_loss(hidden, head, teacher, weights, mask, backend="fast")
 
 
 def test_chunked_backend_matches_reference_with_the_regulariser(generator):
-    """The real fused path (triton_kernels, chunked PyTorch on CPU) gets the mask folded into the
+    """The real fused path (sglang_tts.kernels, chunked PyTorch on CPU) gets the mask folded into the
     weights and the previous drafter's probabilities, and reproduces the reference loss."""
     hidden, head, teacher, weights, mask, prev = _loss_inputs(generator)
     fused = compute_loss(hidden, head, teacher, weights, mask, prev, 0.2, backend="chunked")

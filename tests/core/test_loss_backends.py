@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sglang_tts.core.loss import compute_loss, resolve_backend
+from sglang_tts.core.loss import compute_loss
+from sglang_tts.kernels import resolve_backend
 
 
 def _inputs(seed: int = 0, b: int = 2, c: int = 4, h: int = 16, v: int = 300):
@@ -34,5 +35,6 @@ def test_chunked_matches_naive_in_loss_and_gradients():
 
 
 def test_auto_backend_is_chunked_on_cpu():
-    assert resolve_backend("auto", torch.device("cpu")) == "chunked"
-    assert resolve_backend("naive", torch.device("cpu")) == "naive"
+    cpu_tensor = torch.zeros(1)
+    assert resolve_backend("auto", cpu_tensor, fallback="chunked") == "chunked"
+    assert resolve_backend("naive", cpu_tensor, fallback="chunked") == "naive"

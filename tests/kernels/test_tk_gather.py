@@ -6,8 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from triton_kernels import gather_draft_probs
-from triton_kernels.gather import gather_draft_probs_torch, gather_draft_probs_triton, target_to_draft_mask
+from sglang_tts.kernels import gather_draft_probs
+from sglang_tts.kernels.gather import gather_draft_probs_torch, gather_draft_probs_triton, target_to_draft_mask
 
 
 def make_vocab_map(vt: int, vd: int, seed: int = 0) -> tuple[Tensor, Tensor]:

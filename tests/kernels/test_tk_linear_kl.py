@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from triton_kernels import ChunkedLinearKL, chunked_linear_kl, fused_linear_kl, naive_linear_kl
-from triton_kernels.chunked import plan_chunks
-from triton_kernels.triton_linear_kl import triton_linear_kl
+from sglang_tts.kernels import ChunkedLinearKL, chunked_linear_kl, fused_linear_kl, naive_linear_kl
+from sglang_tts.kernels.chunked import plan_chunks
+from sglang_tts.kernels.triton_linear_kl import triton_linear_kl
 
 LossFn = Callable[..., Tensor]
 

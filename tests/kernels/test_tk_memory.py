@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from triton_kernels import chunked_linear_kl, naive_linear_kl
-from triton_kernels.memory import MemoryPeak, measure_peak_memory
+from sglang_tts.kernels import chunked_linear_kl, naive_linear_kl
+from sglang_tts.kernels.memory import MemoryPeak, measure_peak_memory
 
 MIB = 2**20
 

@@ -15,23 +15,23 @@ NO_TRITON_SCRIPT = textwrap.dedent(
     import sys
     sys.modules["triton"] = None
     import torch
-    import triton_kernels
+    from sglang_tts import kernels
 
-    assert not triton_kernels.triton_available()
+    assert not kernels.triton_available()
     n, h, v = 3, 4, 10
     hidden = torch.randn(n, h, requires_grad=True)
     weight = torch.randn(v, h, requires_grad=True)
     teacher = torch.softmax(torch.randn(n, v), -1)
-    loss = triton_kernels.fused_linear_kl(hidden, weight, teacher, torch.ones(n))  # auto -> chunked
+    loss = kernels.fused_linear_kl(hidden, weight, teacher, torch.ones(n))  # auto -> chunked
     loss.backward()
-    ref = triton_kernels.naive_linear_kl(hidden.detach(), weight.detach(), teacher, torch.ones(n))
+    ref = kernels.naive_linear_kl(hidden.detach(), weight.detach(), teacher, torch.ones(n))
     assert torch.allclose(loss, ref, rtol=1e-5), (loss, ref)
     d2t = torch.zeros(4, dtype=torch.long)
-    probs, mask = triton_kernels.gather_draft_probs(torch.randn(n, v), d2t)
+    probs, mask = kernels.gather_draft_probs(torch.randn(n, v), d2t)
     assert probs.shape == (n, 4) and mask.shape == (n,)
     for call in (
-        lambda: triton_kernels.fused_linear_kl(hidden, weight, teacher, torch.ones(n), backend="triton"),
-        lambda: triton_kernels.gather_draft_probs(torch.randn(n, v), d2t, backend="triton"),
+        lambda: kernels.fused_linear_kl(hidden, weight, teacher, torch.ones(n), backend="triton"),
+        lambda: kernels.gather_draft_probs(torch.randn(n, v), d2t, backend="triton"),
     ):
         try:
             call()

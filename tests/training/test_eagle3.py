@@ -9,6 +9,7 @@ import torch
 
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.drafters.loading import check_compatible
+from sglang_tts.kernels import gather_draft_probs
 from sglang_tts.training.eagle3 import (
     Eagle3Objective,
     Eagle3TrainConfig,
@@ -19,7 +20,6 @@ from sglang_tts.training.eagle3 import (
     unroll,
 )
 from sglang_tts.training.target import collate
-from triton_kernels import gather_draft_probs
 
 CFG = Eagle3TrainConfig(draft_vocab_size=256, ttt_steps=4, batch_size=3)
 

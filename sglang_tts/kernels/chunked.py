@@ -1,6 +1,6 @@
 """Memory-efficient PyTorch implementation of the TTS update loss (the default on CPU).
 
-Same maths as :func:`triton_kernels.reference.naive_linear_kl`, organised like Liger-Kernel's fused linear
+Same maths as :func:`sglang_tts.kernels.reference.naive_linear_kl`, organised like Liger-Kernel's fused linear
 cross-entropy: the forward pass walks over chunks of positions, computes one chunk of logits, turns it *in place*
 into the gradient of the loss with respect to those logits, and immediately folds it into ``dL/dhidden`` and
 ``dL/dweight``. Only the two gradients survive the forward; ``backward`` merely scales them by ``grad_output``.
@@ -377,7 +377,7 @@ def chunked_linear_kl(
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
 ) -> Tensor:
-    """Chunked version of :func:`~triton_kernels.reference.naive_linear_kl` (same arguments and result).
+    """Chunked version of :func:`~sglang_tts.kernels.reference.naive_linear_kl` (same arguments and result).
 
     Args:
         chunk_size: positions per chunk. Given alone: full-vocabulary chunks of that many positions.

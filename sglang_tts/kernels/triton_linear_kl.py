@@ -8,10 +8,10 @@ streams over the vocabulary twice:
 2. ``q = exp(x - lse)`` and ``dL/dx = w (P q - p) + lambda w (R q - r)``, written over the logits in place.
 
 PyTorch matmuls then fold the gradient block into ``dL/dhidden`` and ``dL/dweight`` (shared driver in
-:mod:`triton_kernels.chunked`). Masked tails handle ``V`` that is not a multiple of ``BLOCK_SIZE``; a zero-weight
+:mod:`sglang_tts.kernels.chunked`). Masked tails handle ``V`` that is not a multiple of ``BLOCK_SIZE``; a zero-weight
 row yields a zero loss and a zero gradient without special casing.
 
-This module imports Triton at load time; :mod:`triton_kernels` only loads it when the Triton backend is used.
+This module imports Triton at load time; :mod:`sglang_tts.kernels` only loads it when the Triton backend is used.
 Under ``TRITON_INTERPRET=1`` the kernel runs on CPU tensors, which is how the tests exercise it.
 """
 
@@ -128,7 +128,7 @@ def kl_rows_triton_(
     reg_lambda: float,
     block_size: int | None = None,
 ) -> Tensor:
-    """Triton twin of :func:`triton_kernels.chunked.kl_rows_torch_`: per-row loss, logits overwritten by grads."""
+    """Triton twin of :func:`sglang_tts.kernels.chunked.kl_rows_torch_`: per-row loss, logits overwritten by grads."""
     n_rows, n_cols = logits.shape
     if logits.stride(1) != 1 or p.stride(1) != 1 or (r is not None and r.stride(1) != 1):
         raise ValueError("rows must be contiguous along the vocabulary")
@@ -211,7 +211,7 @@ def triton_linear_kl(
     chunk_size: int | None = None,
     block_size: int | None = None,
 ) -> Tensor:
-    """Triton version of :func:`~triton_kernels.reference.naive_linear_kl` (same arguments and result).
+    """Triton version of :func:`~sglang_tts.kernels.reference.naive_linear_kl` (same arguments and result).
 
     Args:
         chunk_size: positions per logits block (default: about 64 MiB of logits on GPU, 4 MiB elsewhere).

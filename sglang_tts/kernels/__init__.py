@@ -1,15 +1,23 @@
-"""Kernels for the TTS drafter update: fused linear + KL loss and target-to-draft probability gathering.
+"""Kernels for the TTS drafter update and serving, and the one place that picks their backend.
 
-Public entry points pick a backend:
+Liger-Kernel layout: each kernel sits beside its PyTorch reference (``reference.py``, ``gather.py``,
+``lowrank.py``), behind an ``autograd.Function`` where it trains (``chunked.py``, ``triton_linear_kl.py``), and
+the public entry points below are the only dispatch (callers pass a backend name, ``auto`` by default):
 
-* ``naive``   - plain PyTorch, materialises ``[N, V]`` logits, autograd backward (reference only);
-* ``chunked`` - PyTorch, chunked over positions (optionally vocabulary), gradients computed in the forward;
-* ``triton``  - Triton kernels for the per-row softmax/KL/gradient maths, matmuls stay in PyTorch;
-* ``auto``    - ``triton`` for CUDA tensors when Triton imports, else ``chunked`` (``torch`` for the gather).
+* ``fused_linear_kl`` - ``naive`` (materialises ``[N, V]`` logits, autograd backward; reference only),
+  ``chunked`` (PyTorch, chunked over positions and optionally the vocabulary, gradients computed in the forward),
+  ``triton`` (Triton kernels for the per-row softmax/KL/gradient maths, matmuls stay in PyTorch);
+* ``gather_draft_probs`` - ``torch`` | ``triton``;
+* ``lowrank_delta`` - ``torch`` | ``triton`` (power-of-two ranks only);
+* ``auto`` - ``triton`` for CUDA tensors when Triton imports, else the PyTorch path (``chunked`` for the loss).
 
-Triton is imported lazily: ``triton_linear_kl`` (Triton only) is loaded on first use of the Triton backend and
-``gather`` guards its ``import triton``, so this package imports, and the PyTorch backends work, without Triton.
+Triton is imported lazily: the Triton modules are loaded on first use of a Triton backend (``gather`` and
+``lowrank`` guard their ``import triton``), so this package imports, and the PyTorch backends work, without Triton.
 Loading the kernel modules late also lets tests set ``TRITON_INTERPRET=1`` before any kernel is decorated.
+
+The package lives inside ``sglang_tts`` rather than as a top-level ``triton_kernels``: that name is OpenAI's
+kernel package, which SGLang imports for MXFP4/FP8 models (and probes with ``find_spec``); a folder of that name
+in the checkout root would shadow it even without an ``__init__.py`` (a namespace package).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ __all__ = [
     "chunked_linear_kl",
     "fused_linear_kl",
     "gather_draft_probs",
+    "lowrank_delta",
     "naive_linear_kl",
     "resolve_backend",
     "triton_available",
@@ -34,6 +43,7 @@ __all__ = [
 
 _LINEAR_KL_BACKENDS = ("auto", "naive", "chunked", "triton")
 _GATHER_BACKENDS = ("auto", "torch", "triton")
+_LOWRANK_BACKENDS = ("auto", "torch", "triton")
 
 
 @lru_cache(maxsize=1)
@@ -123,6 +133,35 @@ def gather_draft_probs(
         return gather.gather_draft_probs_torch(target, d2t, t2d, input_is_logits)
     _require_triton()
     return gather.gather_draft_probs_triton(target, d2t, t2d, input_is_logits)
+
+
+def lowrank_delta(x: Tensor, a: Tensor, b: Tensor, slots: Tensor, scale: float, backend: str = "auto") -> Tensor:
+    """Per-token gathered low-rank delta ``scale * B[slots[n]] @ (A[slots[n]] @ x[n])``.
+
+    Args:
+        x: ``[N, in]`` inputs.
+        a: ``[S, r, in]`` stacked ``A`` factors.
+        b: ``[S, out, r]`` stacked ``B`` factors.
+        slots: ``[N]`` indices into the stacks.
+        scale: ``alpha / r``.
+        backend: ``auto`` | ``torch`` | ``triton``; ``auto`` takes ``triton`` only for CUDA tensors with a usable
+            Triton and a power-of-two rank (the kernel's ``tl.arange`` needs one).
+
+    Returns:
+        ``[N, out]`` in ``x``'s dtype (the PyTorch path casts the factors to it).
+    """
+    if backend not in _LOWRANK_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {_LOWRANK_BACKENDS}")
+    if backend == "auto":
+        rank = a.shape[1]
+        power_of_two = rank > 0 and not rank & (rank - 1)
+        backend = resolve_backend(backend, x, fallback="torch") if power_of_two else "torch"
+    from . import lowrank
+
+    if backend == "torch":
+        return lowrank.lowrank_delta_torch(x, a.to(x.dtype), b.to(x.dtype), slots, scale)
+    _require_triton()
+    return lowrank.triton_lowrank_delta(x, a, b, slots, scale)
 
 
 def _require_triton() -> None:
