@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from sglang_tts.assets import cache_root, prepare_default_model
-from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
-from sglang_tts.testing.server import start_server, stop_server
+from sglang_tts.bench.server import start_server, stop_server
+from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 
 QUESTION = "Explain, step by step, why the sum of two odd numbers is always even."
 

@@ -23,14 +23,14 @@ def tiny_dir(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama(tiny_dir) -> pathlib.Path:
-    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+    from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
 
     return write_tiny_target(tiny_dir / "tiny-llama", TinyTargetSpec(arch="llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3(tiny_dir) -> pathlib.Path:
-    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+    from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
 
     return write_tiny_target(tiny_dir / "tiny-qwen3", TinyTargetSpec(arch="qwen3", seed=1))
 
@@ -39,7 +39,7 @@ def tiny_qwen3(tiny_dir) -> pathlib.Path:
 def tiny_eagle3(tiny_dir, tiny_llama) -> pathlib.Path:
     import json
 
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+    from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 
     target_config = json.loads((tiny_llama / "config.json").read_text())
     return write_tiny_eagle3(tiny_dir / "tiny-eagle3", target_config, layout="midlayer")
@@ -49,7 +49,7 @@ def tiny_eagle3(tiny_dir, tiny_llama) -> pathlib.Path:
 def loopy_llama(tiny_dir) -> pathlib.Path:
     """A nearly-bigram tiny Llama whose greedy output falls into a short cycle (long repetitive
     outputs: the regime where test-time adaptation shows within a few hundred tokens)."""
-    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+    from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
 
     return write_tiny_target(tiny_dir / "loopy-llama", TinyTargetSpec(layer_std=0.02, init_std=0.6, seed=3))
 
@@ -59,7 +59,7 @@ def loopy_eagle3(tiny_dir, loopy_llama) -> pathlib.Path:
     """A random EAGLE-3 drafter for loopy_llama over the full vocabulary."""
     import json
 
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+    from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 
     target_config = json.loads((loopy_llama / "config.json").read_text())
     return write_tiny_eagle3(tiny_dir / "loopy-eagle3", target_config, layout="layers.0", draft_vocab_size=1024)
@@ -70,7 +70,7 @@ def loopy_dflash(tiny_dir, loopy_llama) -> pathlib.Path:
     """A random DFlash drafter (block 4) for loopy_llama."""
     import json
 
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
+    from sglang_tts.drafters.checkpoints import write_tiny_dflash
 
     target_config = json.loads((loopy_llama / "config.json").read_text())
     return write_tiny_dflash(tiny_dir / "loopy-dflash", target_config, block_size=4)

@@ -356,7 +356,7 @@ class RunnerSettings:
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
     server_timeout_s: float = 900.0
-    cpu_defaults: bool = True  # add sglang_tts.testing.server.CPU_DEFAULT_ARGS
+    cpu_defaults: bool = True  # add sglang_tts.bench.server.CPU_DEFAULT_ARGS
     server_env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     base_url: str | None = None  # target this running server instead of launching any
@@ -370,7 +370,7 @@ class Runner:
         self.settings = settings
         self.records: list[RequestRecord] = []
         self.slot_logs: list[SlotLog] = []
-        self._server: Any = None  # sglang_tts.testing.server.ServerProcess
+        self._server: Any = None  # sglang_tts.bench.server.ServerProcess
         self._server_config: str | None = None
 
     def _send(
@@ -389,7 +389,7 @@ class Runner:
         return send_generate(base_url, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
 
     def _stop(self) -> None:
-        from sglang_tts.testing.server import stop_server
+        from sglang_tts.bench.server import stop_server
 
         if self._server is not None:
             stop_server(self._server)
@@ -402,7 +402,7 @@ class Runner:
         if self._server is not None and self._server_config == config.name:
             return self._server.base_url
         self._stop()
-        from sglang_tts.testing.server import start_server
+        from sglang_tts.bench.server import start_server
 
         start = time.perf_counter()
         self._server = start_server(

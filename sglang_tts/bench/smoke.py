@@ -48,8 +48,8 @@ def default_dir() -> Path:
 
 def prepare_smoke_models(out_dir: Path | None = None) -> SmokeModels:
     """Write (or reuse) the loopy target and its random EAGLE-3 and DFlash drafters."""
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
-    from sglang_tts.testing.tiny_models import TinyTargetSpec, write_tiny_target
+    from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
+    from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
 
     out = Path(out_dir) if out_dir is not None else default_dir()
     models = SmokeModels(out / "loopy-llama", {"eagle3": out / "loopy-eagle3", "dflash": out / "loopy-dflash"})

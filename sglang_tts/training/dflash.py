@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from sglang_tts.drafters.checkpoints import default_dflash_target_layer_ids, dflash_config
 from sglang_tts.drafters.dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
-from sglang_tts.testing.drafter_checkpoints import default_dflash_target_layer_ids, dflash_config
 from sglang_tts.training.data import SequenceSet
 from sglang_tts.training.target import Batch, TargetFeatures, TargetWeights, batch_indices, collate
 from sglang_tts.training.weights import init_weights_

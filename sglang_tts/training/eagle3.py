@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from sglang_tts.drafters.checkpoints import default_eagle3_aux_layer_ids, draft_vocab_maps, eagle3_config
 from sglang_tts.drafters.eagle3 import EAGLE3_POSITION_DECAY, Eagle3Config, Eagle3Drafter
-from sglang_tts.testing.drafter_checkpoints import default_eagle3_aux_layer_ids, draft_vocab_maps, eagle3_config
 from sglang_tts.training.data import SequenceSet
 from sglang_tts.training.target import Batch, TargetFeatures, TargetWeights, batch_indices, collate
 from sglang_tts.training.weights import init_weights_

@@ -1,6 +1,6 @@
 """Drafter weights: seeded initialisation, and export in the public checkpoint layouts.
 
-The exported folders are what ``sglang_tts.testing.drafter_checkpoints`` writes for random
+The exported folders are what ``sglang_tts.drafters.checkpoints`` writes for random
 drafters (same config builders, same ``save_checkpoint``): EAGLE-3 with layer 0 under
 ``midlayer.*`` (SafeAILab / SpecForge layout) plus ``d2t``/``t2d``, DFlash with ``layers.*``,
 ``fc``, ``hidden_norm``, ``norm`` and no embedding or LM head.
@@ -14,10 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from sglang_tts.drafters.checkpoints import save_checkpoint
 from sglang_tts.drafters.common import RMSNorm
 from sglang_tts.drafters.dflash import DFlashDrafter
 from sglang_tts.drafters.eagle3 import Eagle3Drafter
-from sglang_tts.testing.drafter_checkpoints import save_checkpoint
 
 
 @torch.no_grad()

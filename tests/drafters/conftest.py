@@ -10,7 +10,7 @@ import torch
 
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.drafters import DFlashDrafter, Eagle3Drafter, load_drafter
-from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
+from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
 
 # Llama-shaped target: GQA 4/2, head_dim = hidden / heads.
 LLAMA_TARGET = {

@@ -10,8 +10,8 @@ import torch
 
 from sglang_tts.core.drafter_api import DifferentiableDrafter
 from sglang_tts.drafters import DFlashConfig, UnsupportedDrafterConfigError, load_drafter
+from sglang_tts.drafters.checkpoints import write_tiny_dflash
 from sglang_tts.drafters.loading import load_checkpoint_tensors, read_config
-from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
 
 
 def _block(drafter, canvas):

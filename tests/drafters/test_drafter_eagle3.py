@@ -10,9 +10,9 @@ import torch
 
 from sglang_tts.core.drafter_api import DifferentiableDrafter
 from sglang_tts.drafters import Eagle3Drafter, UnsupportedDrafterConfigError, load_drafter
+from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 from sglang_tts.drafters.common import append_kv
 from sglang_tts.drafters.loading import load_checkpoint_tensors, read_config
-from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
 
 
 @pytest.mark.parametrize("layout", ["midlayer", "layers.0"])

@@ -16,8 +16,8 @@ from sglang_tts.drafters import (
     drafter_kind,
     load_drafter,
 )
+from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
 from sglang_tts.drafters.loading import read_config
-from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
 
 
 def test_drafter_kind(tmp_path, llama_target, qwen3_target):

@@ -330,7 +330,7 @@ def _probe(target: str, draft: str) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def probe(tiny_qwen3: Path, tmp_path_factory) -> dict[str, Any]:
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
+    from sglang_tts.drafters.checkpoints import write_tiny_dflash
 
     target_config = json.loads((tiny_qwen3 / "config.json").read_text())
     draft = write_tiny_dflash(tmp_path_factory.mktemp("dflash") / "draft", target_config, block_size=4)

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
+from sglang_tts.bench.server import group_alive, sglang_server
 from sglang_tts.testing.reference import generate_ids, hf_greedy, post_json
-from sglang_tts.testing.server import group_alive, sglang_server
 
 PROMPTS = ["def hello(name):", "import os\nimport sys\n\nclass Config:", '# Copyright 2024\n"""Utilities for']
 NEW_TOKENS = 48
@@ -117,7 +117,7 @@ def test_real_smollm2_greedy_matches_hf():
 def test_stock_dflash_block_drafting_is_lossless(tiny_llama, tmp_path):
     import json
 
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash
+    from sglang_tts.drafters.checkpoints import write_tiny_dflash
 
     target_config = json.loads((tiny_llama / "config.json").read_text())
     drafter = write_tiny_dflash(tmp_path / "dflash", target_config, block_size=4)

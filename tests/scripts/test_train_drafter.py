@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
+from sglang_tts.bench.server import sglang_server
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt
 from sglang_tts.testing.reference import generate_ids, hf_greedy
-from sglang_tts.testing.server import sglang_server
 from sglang_tts.training.data import prompt_token_ids
 
 REPO = pathlib.Path(__file__).resolve().parents[2]

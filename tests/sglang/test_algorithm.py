@@ -8,9 +8,9 @@ from types import SimpleNamespace
 
 import pytest
 
+from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
 from sglang_tts.sglang.algorithm import KIND_ENV, TTSLaunchError, resolve_drafter, validate_server_args
 from sglang_tts.sglang.flags import ENV_VAR
-from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
 
 
 def _target_config(path):

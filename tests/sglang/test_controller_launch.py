@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from sglang_tts.control import Action, ControllerConfig, feature_names, make_policy, save_policy
+from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
 from sglang_tts.sglang.algorithm import TTSLaunchError, validate_server_args
 from sglang_tts.sglang.controller import _AsBuiltin
 from sglang_tts.sglang.flags import ENV_VAR
-from sglang_tts.testing.drafter_checkpoints import write_tiny_dflash, write_tiny_eagle3
 
 ACTIONS = [Action(1, 1), Action(3, 4)]
 

@@ -7,9 +7,9 @@ import collections
 
 import pytest
 
+from sglang_tts.bench.server import ServerStartError, sglang_server
 from sglang_tts.control import Action, ControllerConfig, feature_names, make_policy, read_trace, save_policy
 from sglang_tts.testing.reference import generate_ids, hf_greedy
-from sglang_tts.testing.server import ServerStartError, sglang_server
 
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5]]
 NEW_TOKENS = 160

@@ -18,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_tts.bench.server import sglang_server
 from sglang_tts.testing.reference import generate_ids, hf_greedy
-from sglang_tts.testing.server import sglang_server
 
 PROMPT_A = [4, 454, 607, 82, 343, 14, 357, 315, 3, 5]
 PROMPT_B = [4, 100, 200, 300, 3, 5]

@@ -11,8 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_tts.bench.server import sglang_server
 from sglang_tts.testing.reference import assert_sampling_keeps_target_distribution, generate_ids, hf_greedy
-from sglang_tts.testing.server import sglang_server
 
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5]]
 NEW_TOKENS = 300

@@ -17,8 +17,8 @@ import urllib.request
 
 import pytest
 
+from sglang_tts.bench.server import sglang_server
 from sglang_tts.testing.reference import assert_sampling_keeps_target_distribution, generate_ids, hf_greedy
-from sglang_tts.testing.server import sglang_server
 
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5], [4, 50, 60, 70, 80, 90, 3, 5]]
 NEW_TOKENS = 300
@@ -204,7 +204,7 @@ def test_bad_stride_is_refused_at_launch(loopy_llama, loopy_eagle3):
 
 
 def test_incompatible_drafter_is_refused_at_launch(loopy_llama, tiny_qwen3, tmp_path):
-    from sglang_tts.testing.drafter_checkpoints import write_tiny_eagle3
+    from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 
     other = json.loads((tiny_qwen3 / "config.json").read_text())
     other["hidden_size"] = 96  # a drafter made for a different target

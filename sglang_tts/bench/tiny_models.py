@@ -1,4 +1,5 @@
-"""Tiny random target models (Llama and Qwen3 layouts) with a real tokenizer, for tests.
+"""Tiny random target models (Llama and Qwen3 layouts) with a real tokenizer, for the smoke benchmark
+and the tests.
 
 They are saved exactly as a Hugging Face checkpoint folder (config.json, model.safetensors,
 tokenizer files with a chat template), so SGLang serves them and transformers loads them.

@@ -1,7 +1,9 @@
-"""Tiny random EAGLE-3 and DFlash drafter checkpoints in the public layouts, for tests.
+"""EAGLE-3 and DFlash drafter checkpoints in the public layouts: config builders, the writer, and
+random drafters (the tests', the smoke benchmark's and the demo's untrained path).
 
-The folders are what stock SGLang 0.5.23 loads with `--speculative-algorithm EAGLE3` /
-`DFLASH` next to a tiny target (sglang_tts/testing/tiny_models.py):
+The training pipeline exports trained drafters with the same config builders and `save_checkpoint`.
+The random folders are what stock SGLang 0.5.23 loads with `--speculative-algorithm EAGLE3` /
+`DFLASH` next to a tiny target (sglang_tts/bench/tiny_models.py):
 
 - EAGLE-3: `LlamaForCausalLMEagle3`, model_type llama, one decoder layer under `midlayer.*`
   (SafeAILab / SpecForge) or `layers.0.*` (speculators-style), `fc`, `norm`, `lm_head` over a

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import socket
 
-from sglang_tts.testing.server import HTTP_PORTS, free_port
+from sglang_tts.bench.server import HTTP_PORTS, free_port
 
 
 def _ephemeral_low() -> int:

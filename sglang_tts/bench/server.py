@@ -1,6 +1,6 @@
 """Launch a real SGLang server process on a free loopback port, wait for health, shut it down.
 
-Used by the tests' server fixtures and by the benchmark scripts. The server runs in its own
+Used by the benchmark runner, the demo and the tests' server fixtures. The server runs in its own
 process group so shutdown reaches SGLang's scheduler and detokenizer children too (no orphans).
 """
 

@@ -1,0 +1,77 @@
+"""The package's layering: the library does not import its tests' helpers, and it has no import cycles."""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = REPO_ROOT / "sglang_tts"
+TESTING = "sglang_tts.testing"
+
+
+def module_name(path: Path) -> str:
+    """Dotted name of a file under the repository root (`pkg/__init__.py` -> `pkg`)."""
+    parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node except those under `if TYPE_CHECKING:` (annotations only, never imported at run time)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in node.orelse:
+                yield child
+                yield from _runtime_nodes(child)
+            continue
+        yield node
+        yield from _runtime_nodes(node)
+
+
+def imported_modules(source: str, module: str, is_package: bool = False) -> set[str]:
+    """Absolute names `module` imports at run time, at any depth (function-level too); relative
+    imports are resolved, and `from a import b` yields both `a` and `a.b` (b may be a submodule)."""
+    package = module if is_package else module.rpartition(".")[0]
+    names: set[str] = set()
+    for node in _runtime_nodes(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            prefix = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                prefix = ".".join(parts[: len(parts) - (node.level - 1)] + ([node.module] if node.module else []))
+            names.add(prefix)
+            names.update(f"{prefix}.{alias.name}" for alias in node.names)
+    return names
+
+
+def file_imports(path: Path) -> set[str]:
+    return imported_modules(path.read_text(), module_name(path), path.name == "__init__.py")
+
+
+def _imports_testing(names: set[str]) -> bool:
+    return any(name == TESTING or name.startswith(TESTING + ".") for name in names)
+
+
+def test_the_library_and_scripts_do_not_import_the_test_helpers():
+    sources = [p for p in PACKAGE.rglob("*.py") if not p.is_relative_to(PACKAGE / "testing")]
+    sources += sorted((REPO_ROOT / "scripts").glob("*.py"))
+    offenders = [str(p.relative_to(REPO_ROOT)) for p in sources if _imports_testing(file_imports(p))]
+    assert offenders == []
+
+
+def test_the_import_scan_resolves_relative_function_level_and_type_checking_imports():
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from sglang_tts.core import canvas\n"
+        "def f():\n    from ..testing import reference\n"
+    )
+    names = imported_modules(source, "sglang_tts.bench.probe")
+    assert _imports_testing(names) and "sglang_tts.testing.reference" in names
+    assert "sglang_tts.core" not in names  # annotations only
+    assert imported_modules("from . import server\n", "sglang_tts.bench", is_package=True) == {
+        "sglang_tts.bench",
+        "sglang_tts.bench.server",
+    }
