@@ -3,7 +3,7 @@
 Engine-independent (numpy only): actions, the observed state, the policies (contextual bandits, a
 softmax policy, scripted ones), the Controller that drives them, policy files, offline fitting from
 logged traces, and a synthetic environment with a known best action per context. The SGLang side
-lives in sglang_tts/sglang/controller.py.
+lives in sglang_tts/sglang/adaptive_steps.py.
 """
 
 from sglang_tts.control.actions import Action, action_grid

@@ -115,7 +115,7 @@ def validate_server_args(server_args) -> None:
         # data-dependent set), which a captured CUDA graph cannot replay.
         raise TTSLaunchError("--tts-adapter-rank full needs --disable-cuda-graph on CUDA (or use a rank r)")
     if config.controller is not None:
-        from sglang_tts.sglang.controller import prepare_launch
+        from sglang_tts.sglang.adaptive_steps import prepare_launch
 
         prepare_launch(server_args, config, kind, TTSLaunchError)
     os.environ[KIND_ENV] = kind
@@ -173,7 +173,7 @@ def register_tts_algorithm() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_tts.sglang import controller, flags, metrics
+    from sglang_tts.sglang import adaptive_steps, flags, metrics
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
@@ -184,5 +184,6 @@ def register_tts_algorithm() -> None:
         )(worker_factory)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
     metrics.register_hooks(HookRegistry, HookType)
-    HookRegistry.register(controller.ADAPTIVE_REASON_TARGET, controller.adaptive_reason_hook, HookType.AROUND)
+    reason_hook = adaptive_steps.adaptive_reason_hook(ALGORITHM_NAME, lambda: builtin_algorithm().name)
+    HookRegistry.register(adaptive_steps.ADAPTIVE_REASON_TARGET, reason_hook, HookType.AROUND)
     _registered = True

@@ -8,7 +8,7 @@ stock EAGLE3 produces for the same drafter weights (lossless by construction). T
 - after each verify: capture of the canvas (drafted path, the target's logits there, the anchor
   feature, the drafter's cached K/V of the context) and the hand-off to the update schedule;
 - per-request counters written into `req.customized_info`, which SGLang forwards to meta_info;
-- with `--tts-controller`: the controller behind SGLang's adaptive step switching (controller.py).
+- with `--tts-controller`: the controller behind SGLang's adaptive step switching (adaptive_steps.py).
 """
 
 from __future__ import annotations
@@ -90,9 +90,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
         return result
 
     def _install_controller(self, config):
-        """Put the policy file's Controller behind SGLang's adaptive step switching (controller.py)."""
+        """Put the policy file's Controller behind SGLang's adaptive step switching (adaptive_steps.py)."""
         from sglang_tts.control.policy_file import load_policy
-        from sglang_tts.sglang.controller import ControlledSteps
+        from sglang_tts.sglang.adaptive_steps import ControlledSteps
 
         if self.adaptive_controller is None:
             raise RuntimeError(

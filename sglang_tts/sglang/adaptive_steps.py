@@ -10,8 +10,9 @@ scheduler once accept lengths are on CPU). TTS uses that machinery as is:
   then turn on `speculative_adaptive` with a generated adaptive config whose candidate steps are
   the policy's chain lengths (so SGLang builds exactly those states and sizes its buffers for the
   longest);
-- SGLang's `adaptive_unsupported_reason` accepts only EAGLE/EAGLE3 by name: a hook evaluates it for
-  TTS as for EAGLE3 (all its other conditions still apply);
+- SGLang's `adaptive_unsupported_reason` accepts only EAGLE/EAGLE3 by name: a hook
+  (`adaptive_reason_hook`, registered by algorithm.py) evaluates it for TTS as for EAGLE3 (all its
+  other conditions still apply);
 - in the worker, `ControlledSteps` replaces the adaptive policy: it turns each verify into an
   Observation (round time measured between verify completions, TTS time on the serving path, TTS
   loss, output position), feeds the Controller, and applies the chosen action: the chain length
@@ -28,6 +29,7 @@ import logging
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -119,15 +121,19 @@ class _AsBuiltin:
         return getattr(args, attr)
 
 
-def adaptive_reason_hook(original, server_args, *args, **kwargs):
-    """AROUND hook: SGLang's adaptive support check, run for TTS as for the builtin it delegates to."""
-    from sglang.srt.arg_groups.overrides import resolving_view
+def adaptive_reason_hook(algorithm_name: str, builtin_name: Callable[[], str]):
+    """AROUND hook for SGLang's adaptive support check: run it for `algorithm_name` as for the
+    builtin that algorithm delegates to (`builtin_name()`, asked per call: the drafter kind is
+    known only at launch). The names come from the caller, so this module never imports algorithm.py."""
 
-    from sglang_tts.sglang.algorithm import ALGORITHM_NAME, builtin_algorithm
+    def hook(original, server_args, *args, **kwargs):
+        from sglang.srt.arg_groups.overrides import resolving_view
 
-    if resolving_view(server_args).speculative_algorithm == ALGORITHM_NAME:
-        server_args = _AsBuiltin(server_args, builtin_algorithm().name)
-    return original(server_args, *args, **kwargs)
+        if resolving_view(server_args).speculative_algorithm == algorithm_name:
+            server_args = _AsBuiltin(server_args, builtin_name())
+        return original(server_args, *args, **kwargs)
+
+    return hook
 
 
 class ControlledSteps:

@@ -1,4 +1,4 @@
-"""Launch-time checks of `--tts-controller` (sglang_tts/sglang/controller.py), in process."""
+"""Launch-time checks of `--tts-controller` (sglang_tts/sglang/adaptive_steps.py), in process."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 
 from sglang_tts.control import Action, ControllerConfig, feature_names, make_policy, save_policy
 from sglang_tts.drafters.checkpoints import write_tiny_dflash, write_tiny_eagle3
+from sglang_tts.sglang.adaptive_steps import _AsBuiltin, adaptive_reason_hook
 from sglang_tts.sglang.algorithm import TTSLaunchError, validate_server_args
-from sglang_tts.sglang.controller import _AsBuiltin
 from sglang_tts.sglang.flags import ENV_VAR
 
 ACTIONS = [Action(1, 1), Action(3, 4)]
@@ -111,3 +111,19 @@ def test_controller_flags(monkeypatch):
     assert (config.controller, config.controller_learn, config.controller_trace) == ("p.json", True, "t.jsonl")
     parser.parse_args(["--tts-controller", "none"])
     assert tts_config_from_env().controller is None
+
+
+def test_the_adaptive_reason_hook_answers_for_tts_as_for_its_builtin():
+    from sglang.srt.speculative.adaptive_spec_params import adaptive_unsupported_reason
+
+    def args(name, topk=1):
+        return SimpleNamespace(speculative_algorithm=name, _resolved_overrides=[], speculative_eagle_topk=topk)
+
+    hook = adaptive_reason_hook("TTS", lambda: "EAGLE3")
+    seen = []
+    hook(lambda server_args: seen.append(server_args.speculative_algorithm), args("TTS"))
+    hook(lambda server_args: seen.append(server_args.speculative_algorithm), args("NGRAM"))
+    assert seen == ["EAGLE3", "NGRAM"]  # other algorithms pass through untouched
+    assert "only EAGLE/EAGLE3" in adaptive_unsupported_reason(args("TTS", topk=2))
+    # Through the hook TTS passes the name check, and SGLang's other conditions still apply.
+    assert "only topk=1" in hook(adaptive_unsupported_reason, args("TTS", topk=2))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from sglang_tts.control import Action, Controller, ControllerConfig, feature_names, make_policy, read_trace
-from sglang_tts.sglang.controller import ControlledSteps
+from sglang_tts.sglang.adaptive_steps import ControlledSteps
 
 ACTIONS = [Action(1, 1), Action(3, 4), Action(0, 1)]
 
