@@ -60,6 +60,11 @@ class TTSConfig:
     log_interval: int = 50
     # Record per-round accepted lengths for requests that ask for them (meta_info).
     record_accept_lengths: bool = True
+    # Honour a request's custom_params.tts_return_weight_digest (sha256 of the serving drafter at the
+    # request's first and last round). Hashing the drafter costs a full read of its weights whenever
+    # they change (every update), so a client could make every round of every request pay for it:
+    # off unless the operator turns it on (tests, audits).
+    allow_weight_digest: bool = False
     # RL controller (sglang_tts/control): a policy file that picks the draft chain length and the
     # update stride every few rounds; None keeps the fixed flags. EAGLE-3 chains (topk 1) only.
     controller: str | None = None

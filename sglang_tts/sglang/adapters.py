@@ -20,6 +20,7 @@ from torch import nn
 
 from sglang_tts.core.adapters import LM_HEAD, AdaptedDrafter, ServingBank, SlotTable
 from sglang_tts.core.publish import STACKED_PARAMS, WeightPublisher
+from sglang_tts.sglang.failures import FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +92,9 @@ class ServingAdapters:
         self._active = False
         self._warned = False
         self._logged = False
+        # A hook that fails maps no token for the rest of that forward (the base drafter drafts);
+        # the runtime replaces this log with its own, which counts failures per request.
+        self.failures = FailureLog()
         # CUDA graphs are captured before any request holds a slot: there the hooks must always
         # run (a zero row is a zero delta) so the captured graph contains them. CPU skips idle work.
         self._always = torch.device(device).type == "cuda"
@@ -137,18 +141,22 @@ class ServingAdapters:
 
     def _before_layer(self, module, args, kwargs):
         self._token_rows = None
+        with self.failures.absorb("adapter_hook"):
+            self._map_tokens(args, kwargs)
+        return None
+
+    def _map_tokens(self, args, kwargs) -> None:
         if not (self._active or self._always):
             return None
         values = [*args, *kwargs.values()]
         forward_batch = next((v for v in values if hasattr(v, "forward_mode")), None)
         first = next((v for v in values if isinstance(v, torch.Tensor)), None)  # positions [N]
         if forward_batch is None or first is None:
-            return None
+            return
         self._token_rows = self._rows_per_token(forward_batch, int(first.shape[0]))
         if not self._logged and self._token_rows is not None and bool((self._token_rows > 0).any()):
             logger.info("sglang-tts: per-request adapters applied in SGLang's draft model (first use)")
             self._logged = True
-        return None
 
     def _rows_per_token(self, forward_batch, num_tokens: int) -> torch.Tensor | None:
         req_rows = self.row_of_pool[forward_batch.req_pool_indices.long()]
@@ -166,7 +174,7 @@ class ServingAdapters:
         return req_rows.repeat_interleave(num_tokens // bs)
 
     def _delta_hook(self, parts: list[tuple[str, int, int]]):
-        def hook(module, inputs, output):
+        def add_delta(inputs, output):
             rows = self._token_rows
             if rows is None:
                 return None
@@ -178,6 +186,15 @@ class ServingAdapters:
             for name, offset, width in parts:
                 out[:, offset : offset + width] += self.bank.delta(name, x, rows).to(out.dtype)
             return (out, *rest) if rest is not None else out
+
+        def hook(module, inputs, output):
+            failed, new_output = True, None
+            with self.failures.absorb("adapter_hook"):
+                new_output = add_delta(inputs, output)
+                failed = False
+            if failed:
+                self._token_rows = None  # the rest of this forward drafts with the base drafter
+            return new_output
 
         return hook
 
@@ -200,8 +217,9 @@ class _LogitsDelta:
             out = prune(hidden_states, hidden_states_before_norm, aux_hidden_states, logits_metadata)
             token_rows, self.rows = owner._token_rows, None
             if token_rows is not None and token_rows.shape[0] == hidden_states.shape[0]:
-                column = token_rows.to(torch.float32)[:, None]  # small integers: exact in fp32
-                self.rows = prune(column, None, None, logits_metadata)[0][:, 0].long()
+                with owner.failures.absorb("adapter_hook"):
+                    column = token_rows.to(torch.float32)[:, None]  # small integers: exact in fp32
+                    self.rows = prune(column, None, None, logits_metadata)[0][:, 0].long()
             return out
 
         def compute_lm_head(hidden_states, lm_head, embedding_bias=None, *, out=None):
@@ -209,7 +227,9 @@ class _LogitsDelta:
             rows, self.rows = self.rows, None
             if rows is None or rows.shape[0] != hidden_states.shape[0]:
                 return logits  # rows we could not map: the base LM head
-            return logits + owner.bank.delta(LM_HEAD, hidden_states, rows).to(logits.dtype)
+            with owner.failures.absorb("adapter_hook"):
+                return logits + owner.bank.delta(LM_HEAD, hidden_states, rows).to(logits.dtype)
+            return logits  # the delta failed: the base LM head
 
         processor._get_pruned_states = get_pruned_states
         processor._compute_lm_head = compute_lm_head

@@ -173,7 +173,7 @@ def register_tts_algorithm() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_tts.sglang import adaptive_steps, flags, metrics
+    from sglang_tts.sglang import adaptive_steps, flags, metrics, requests
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
@@ -184,6 +184,7 @@ def register_tts_algorithm() -> None:
         )(worker_factory)
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
     metrics.register_hooks(HookRegistry, HookType)
+    requests.register_hooks(HookRegistry, HookType)  # every server, with or without TTS
     reason_hook = adaptive_steps.adaptive_reason_hook(ALGORITHM_NAME, lambda: builtin_algorithm().name)
     HookRegistry.register(adaptive_steps.ADAPTIVE_REASON_TARGET, reason_hook, HookType.AROUND)
     _registered = True

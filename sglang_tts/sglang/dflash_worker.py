@@ -109,17 +109,15 @@ class TTSDFlashWorker(DFlashWorkerV2):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
         if not is_decode:
             if not batch.forward_mode.is_idle():
-                self.tts.bind_extend_batch(batch.reqs)
+                self.tts.bind_extend_batch(batch.reqs)  # absorbs its own failures
             return super().forward_batch_generation(
                 batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
             )
-        try:
-            self.tts.before_draft([req.rid for req in batch.reqs])
+        rids = [req.rid for req in batch.reqs]
+        with self.tts.failures.absorb("barrier", rids):  # on failure: draft with the weights in place
+            self.tts.before_draft(rids)
             self.tts.bind_batch(batch.reqs)
             self._after_publish()
-        except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
-            logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
-        rids = [req.rid for req in batch.reqs]
         prefix_lens = batch.seq_lens.tolist()
         # Update (and check) rounds need the target's full verify logits, which SGLang may skip
         # for all-greedy batches under tensor parallelism (it then gathers only the argmax).
@@ -131,12 +129,10 @@ class TTSDFlashWorker(DFlashWorkerV2):
             )
         finally:
             self._capturing = False
-        try:
+        with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
             self._after_verify(batch, rids, prefix_lens, result)
-        except Exception:  # noqa: BLE001 - TTS must never take a response down with it
-            logger.exception("sglang-tts: capture failed; this round is not used for adaptation")
-        finally:
-            self._captured_hidden = None
+        self._captured_hidden = None
+        self.tts.report_round(batch.reqs, result.accept_lens)
         return result
 
     def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
@@ -201,11 +197,3 @@ class TTSDFlashWorker(DFlashWorkerV2):
             hidden = hidden.view(len(rids), block, -1)
             for r, rid in enumerate(rids):
                 self.tts.remember_context(rid, hidden[r, : commit_lens[r]], prefix_lens[r])
-        digest = None
-        for r, req in enumerate(batch.reqs):
-            wants_digest = metrics.wants_weight_digest(req)
-            if wants_digest:
-                digest = self.tts.serving_digest(rids[r])
-            metrics.write_request_info(
-                req, self.tts.counters(rids[r]), commit_lens[r], digest if wants_digest else None
-            )

@@ -60,34 +60,39 @@ class TTSEagleWorker(EAGLEWorkerV2):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
         live = is_decode and not batch.forward_mode.is_idle()
         control = self.tts_controller
+        rids = [req.rid for req in batch.reqs]
+        failures = self.tts.failures
         if control is not None:
-            control.forward_started()
+            with failures.absorb("controller", rids):
+                control.forward_started()
             start = time.perf_counter()
             self._tts_round_seconds = 0.0
         if live:
             tic = time.perf_counter()
-            try:
-                self.tts.before_draft([req.rid for req in batch.reqs])
+            with failures.absorb("barrier", rids):  # on failure: draft with the weights in place
+                self.tts.before_draft(rids)
                 self.tts.bind_batch(batch.reqs)
-            except Exception:  # noqa: BLE001 - serve with the weights in place rather than fail the batch
-                logger.exception("sglang-tts: barrier/reset failed; drafting with the current weights")
             if control is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         elif not batch.forward_mode.is_idle():
-            self.tts.bind_extend_batch(batch.reqs)
+            self.tts.bind_extend_batch(batch.reqs)  # absorbs its own failures
         result = super().forward_batch_generation(
             batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
         )
         if control is not None and live:
-            loss = self.tts.distiller.stats.last_loss
-            control.round_done(
-                num_steps=self.speculative_num_steps,
-                forward_seconds=time.perf_counter() - start,
-                tts_seconds=self._tts_round_seconds,
-                output_position=sum(len(req.output_ids) for req in batch.reqs) / max(len(batch.reqs), 1),
-                tts_loss=loss if math.isfinite(loss) else None,
-            )
+            with failures.absorb("controller", rids):
+                self._controller_round_done(control, batch, start)
         return result
+
+    def _controller_round_done(self, control, batch, start: float) -> None:
+        loss = self.tts.distiller.stats.last_loss
+        control.round_done(
+            num_steps=self.speculative_num_steps,
+            forward_seconds=time.perf_counter() - start,
+            tts_seconds=self._tts_round_seconds,
+            output_position=sum(len(req.output_ids) for req in batch.reqs) / max(len(batch.reqs), 1),
+            tts_loss=loss if math.isfinite(loss) else None,
+        )
 
     def _install_controller(self, config):
         """Put the policy file's Controller behind SGLang's adaptive step switching (adaptive_steps.py)."""
@@ -119,20 +124,18 @@ class TTSEagleWorker(EAGLEWorkerV2):
         result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if not batch.forward_mode.is_idle():
             tic = time.perf_counter()
-            try:
+            rids = [req.rid for req in batch.reqs]
+            with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
                 self._after_verify(batch, verify_input, result, seq_lens)
-            except Exception:  # noqa: BLE001 - TTS must never take a response down with it
-                logger.exception("sglang-tts: capture failed; this round is not used for adaptation")
+            self.tts.report_round(batch.reqs, result.accept_lens)
             if self.tts_controller is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         return result
 
     def _forward_prefill_batch(self, batch, *args, **kwargs):
         result = super()._forward_prefill_batch(batch, *args, **kwargs)
-        try:
-            self._remember_prefill_anchors(batch, result)
-        except Exception:  # noqa: BLE001 - a missing anchor only costs the first round's canvas
-            logger.debug("sglang-tts: no prefill anchor features", exc_info=True)
+        with self.tts.failures.absorb("prefill_anchor", [req.rid for req in batch.reqs]):
+            self._remember_prefill_anchors(batch, result)  # a missing anchor costs one round's canvas
         return result
 
     # --- capture ----------------------------------------------------------------------------
@@ -196,10 +199,3 @@ class TTSEagleWorker(EAGLEWorkerV2):
         if hidden is not None:
             for r, rid in enumerate(rids):
                 self.tts.remember_anchor(rid, hidden[r * n + accept_lens[r] - 1])
-        digest = None
-        for r, req in enumerate(batch.reqs):
-            if metrics.wants_weight_digest(req):
-                digest = self.tts.serving_digest(rids[r])
-            metrics.write_request_info(
-                req, self.tts.counters(rids[r]), accept_lens[r], digest if metrics.wants_weight_digest(req) else None
-            )

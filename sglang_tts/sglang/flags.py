@@ -85,6 +85,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-loss-backend": ("loss_backend", {"choices": ["auto", "naive", "chunked", "triton"], "help": "Loss kernel."}),
     "--tts-canvas": ("canvas", {"choices": ["accepted", "full"], "help": "Canvas positions the loss uses."}),
     "--tts-log-interval": ("log_interval", {"type": int, "help": "Log a TTS summary every N rounds (0: off)."}),
+    "--tts-allow-weight-digest": (
+        "allow_weight_digest",
+        {"nargs": 0, "help": "Honour requests' tts_return_weight_digest (hashes the drafter per update; debug)."},
+    ),
     "--tts-controller": (
         "controller",
         {"type": _policy_path, "help": "Policy file of the RL draft/stride controller ('none': fixed flags)."},

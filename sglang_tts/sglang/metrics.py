@@ -4,6 +4,7 @@ Per request, the worker writes token-aligned lists into `req.customized_info` (S
 channel from scheduler to meta_info, sliced by output token, so streaming works too):
 - `tts_num_updates`, `tts_num_skipped_updates`, `tts_update_ms`, `tts_fallback_checked/_mismatches`:
   cumulative values at each token; a tokenizer-side hook turns them into the final scalar.
+- `tts_failures`: TTS work that failed in this request's rounds and was skipped (failures.py).
 - `tts_accept_lengths` (only when the request sets `custom_params.tts_return_accept_lengths`):
   the accepted length of each verify round, bonus token included (SGLang's convention).
   Per token the value is the round's length at the round's first token and None elsewhere; the
@@ -15,6 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+
+    from sglang_tts.sglang.requests import RequestOptions
+    from sglang_tts.sglang.runtime import RequestCounters
 
 logger = logging.getLogger(__name__)
 
@@ -25,25 +33,17 @@ SCALAR_KEYS = (
     "tts_fallback_checked",
     "tts_fallback_mismatches",
     "tts_adapter_capped",
+    "tts_failures",
 )
 ACCEPT_KEY = "tts_accept_lengths"
-REQUEST_FLAG = "tts_return_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
 # audits: proves that weights changed during a request and were reset to base bitwise after it).
-DIGEST_FLAG = "tts_return_weight_digest"
 DIGEST_START, DIGEST_END = "tts_weight_digest_start", "tts_weight_digest_end"
 
 
-def _custom_flag(req, flag: str) -> bool:
-    custom = getattr(getattr(req, "sampling_params", None), "custom_params", None) or {}
-    return bool(custom.get(flag))
-
-
-def wants_weight_digest(req) -> bool:
-    return _custom_flag(req, DIGEST_FLAG)
-
-
-def write_request_info(req, counters, accept_len: int, digest: str | None = None) -> None:
+def write_request_info(
+    req: Req, counters: RequestCounters, accept_len: int, options: RequestOptions, digest: str | None = None
+) -> None:
     """Append this round's values for the `accept_len` tokens it produced."""
     if req.customized_info is None:
         req.customized_info = {}
@@ -55,6 +55,7 @@ def write_request_info(req, counters, accept_len: int, digest: str | None = None
         "tts_fallback_checked": counters.fallback_checked,
         "tts_fallback_mismatches": counters.fallback_mismatches,
         "tts_adapter_capped": counters.adapter_capped,
+        "tts_failures": counters.failures,
     }
     if digest is not None:
         if counters.digest_start is None:
@@ -70,7 +71,7 @@ def write_request_info(req, counters, accept_len: int, digest: str | None = None
         if len(column) < already:
             column.extend([value] * (already - len(column)))
         column.extend([value] * accept_len)
-    if _custom_flag(req, REQUEST_FLAG):
+    if options.accept_lengths:
         column = info.setdefault(ACCEPT_KEY, [])
         if len(column) < already:
             column.extend([None] * (already - len(column)))
@@ -127,6 +128,11 @@ class SchedulerMetrics:
         self.wait_seconds = Counter("sglang_tts:barrier_wait_seconds_total", "Time serving waited at the barrier")
         self.adapter_capped = Counter(
             "sglang_tts:adapter_capped_total", "Requests served by the frozen drafter: no adapter slot was free"
+        )
+        self.failures = Counter(
+            "sglang_tts:failures_total",
+            "TTS work on the scheduler thread that failed and was skipped (the round served on)",
+            ["site"],
         )
         self.adapted_requests = Gauge(
             "sglang_tts:adapted_requests", "Requests holding a per-request adapter", multiprocess_mode="mostrecent"

@@ -22,6 +22,9 @@ from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import make_executor
 from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.scope import make_scope
+from sglang_tts.sglang import metrics as tts_metrics
+from sglang_tts.sglang.failures import FailureLog, fault_sites_from_env
+from sglang_tts.sglang.requests import request_options
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +56,7 @@ class RequestCounters:
     fallback_mismatches: int = 0
     digest_start: str | None = None
     adapter_capped: int = 0  # 1: no adapter slot was free, the request drafted with the frozen drafter
+    failures: int = 0  # TTS work that failed in rounds of this request (skipped; output unaffected)
 
 
 class TTSRuntime:
@@ -84,6 +88,11 @@ class TTSRuntime:
         self.serving_adapters = serving_adapters
         self.slots = SlotTable(config.max_adapted_requests) if serving_adapters is not None else None
         self._digest: tuple[int, str] | None = None  # (weight version, digest) of the shared weights
+        # Every piece of TTS work on the scheduler thread runs under failures.absorb(site).
+        self.failures = FailureLog(inject=fault_sites_from_env())
+        self.failures.on_failure = self._count_failure
+        if serving_adapters is not None:
+            serving_adapters.failures = self.failures
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""
@@ -125,10 +134,8 @@ class TTSRuntime:
         would draft its prompt with that request's adapter."""
         if self.slots is None:
             return
-        try:
+        with self.failures.absorb("adapter_map", [req.rid for req in reqs]):
             self.serving_adapters.set_batch(reqs, self.slots)
-        except Exception:  # noqa: BLE001 - a draft with a stale map is slower, never a failed batch
-            logger.exception("sglang-tts: could not map the prefill batch to adapter rows")
 
     def bind_batch(self, reqs) -> None:
         """Per-request adapters: give this batch's new requests a slot (while the cap allows) and
@@ -183,6 +190,17 @@ class TTSRuntime:
                 rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
             self._pending_rids = list(rows)
 
+    def report_round(self, reqs, accept_lengths: torch.Tensor) -> None:
+        """This round's per-request values into SGLang's customized_info (-> meta_info); runs even
+        when the capture failed, so every round a request was served in is reported.
+        accept_lengths: [bs] tokens each request committed this round (bonus included)."""
+        with self.failures.absorb("report", [req.rid for req in reqs]):
+            allow_digest = self.config.allow_weight_digest
+            for req, accept_len in zip(reqs, accept_lengths.tolist()):
+                options = request_options(req, allow_digest)
+                digest = self.serving_digest(req.rid) if options.weight_digest else None
+                tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digest)
+
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
         self.anchor_features[rid] = feature.detach().float().cpu().clone()
 
@@ -220,6 +238,12 @@ class TTSRuntime:
 
     def counters(self, rid: str) -> RequestCounters:
         return self.requests.setdefault(rid, RequestCounters())
+
+    def _count_failure(self, site: str, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.counters(rid).failures += 1
+        if self.metrics is not None:
+            self.metrics.failures.labels(site=site).inc()
 
     def close(self) -> None:
         self._absorbing(self.distiller.close)

@@ -49,30 +49,57 @@ def generate_ids(base_url: str, input_ids: list[int], max_new_tokens: int, **sam
     return post_json(base_url + "/generate", {"input_ids": input_ids, "sampling_params": params})
 
 
-def exact_pair_distribution(model_path: str, prompt: list[int], top: int = 8) -> dict[tuple[int, int], float]:
-    """P(t1, t2 | prompt) of the target, by HF transformers, over its top first and second tokens."""
+def truncated(probs: torch.Tensor, top_p: float = 1.0, top_k: int = -1) -> torch.Tensor:
+    """The target's sampling distribution under one of top-k / top-p, renormalised: the k most
+    likely tokens, or the most likely tokens while the mass before each is <= p (independent of
+    the serving code's pivot formulation; ties at the edge do not occur in these tests)."""
+    order = probs.argsort(descending=True)
+    sorted_probs = probs[order]
+    keep = torch.ones_like(sorted_probs, dtype=torch.bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    if top_p < 1.0:
+        keep &= (sorted_probs.cumsum(0) - sorted_probs) <= top_p
+    out = torch.zeros_like(probs)
+    out[order[keep]] = sorted_probs[keep] / sorted_probs[keep].sum()
+    return out
+
+
+def exact_pair_distribution(
+    model_path: str, prompt: list[int], top: int = 8, top_p: float = 1.0, top_k: int = -1
+) -> dict[tuple[int, int], float]:
+    """P(t1, t2 | prompt) of the target at temperature 1 under top-p / top-k, by HF transformers,
+    over every pair in the truncated support (at most `top` first and second tokens each)."""
     model = _hf_model(str(model_path))
     with torch.no_grad():
-        p1 = model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1)
+        p1 = truncated(model(torch.tensor([prompt])).logits[0, -1].float().softmax(-1), top_p, top_k)
         pairs = {}
         for t1 in p1.topk(top).indices.tolist():
-            p2 = model(torch.tensor([prompt + [t1]])).logits[0, -1].float().softmax(-1)
+            if p1[t1] == 0:
+                continue
+            p2 = truncated(model(torch.tensor([prompt + [t1]])).logits[0, -1].float().softmax(-1), top_p, top_k)
             for t2 in p2.topk(top).indices.tolist():
-                pairs[(t1, t2)] = float(p1[t1] * p2[t2])
+                if p2[t2] > 0:
+                    pairs[(t1, t2)] = float(p1[t1] * p2[t2])
     return pairs
 
 
-def assert_sampling_keeps_target_distribution(base_url: str, model_path, prompt: list[int], n: int = 400) -> None:
+def assert_sampling_keeps_target_distribution(
+    base_url: str, model_path, prompt: list[int], n: int = 400, top_p: float = 1.0, top_k: int = -1
+) -> None:
     """t2 comes out of the first speculative round (draft, then rejection sampling in verify): the
     joint frequency of (t1, t2) over n samples at temperature 1 must match the target's P(t1, t2)
-    (4.5 binomial standard errors + 0.01) on every pair of probability >= 0.03."""
-    params = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "max_new_tokens": 2, "ignore_eos": True}
+    under the same top-p / top-k (4.5 binomial standard errors + 0.01) on every pair of probability
+    >= 0.03, and no sample may fall outside the truncated support."""
+    params = {"temperature": 1.0, "top_p": top_p, "top_k": top_k, "max_new_tokens": 2, "ignore_eos": True}
     outs = post_json(base_url + "/generate", {"input_ids": [prompt] * n, "sampling_params": params})
     counts: dict[tuple[int, int], int] = {}
     for out in outs:
         key = tuple(out["output_ids"][:2])
         counts[key] = counts.get(key, 0) + 1
-    exact = exact_pair_distribution(str(model_path), prompt)
+    exact = exact_pair_distribution(
+        str(model_path), prompt, top=64 if top_p < 1 or top_k > 0 else 8, top_p=top_p, top_k=top_k
+    )
     checked = 0
     for pair, p in exact.items():
         if p < 0.03:
@@ -82,4 +109,8 @@ def assert_sampling_keeps_target_distribution(base_url: str, model_path, prompt:
         checked += 1
     assert checked >= 2
     covered = sum(counts.get(pair, 0) for pair in exact) / n
-    assert covered > 0.8  # the sampled pairs are the target's likely ones
+    if top_p < 1 or top_k > 0:
+        outside = {pair: c for pair, c in counts.items() if pair not in exact}
+        assert not outside, f"samples outside the top-p {top_p} / top-k {top_k} support: {outside}"
+    else:
+        assert covered > 0.8  # the sampled pairs are the target's likely ones

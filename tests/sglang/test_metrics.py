@@ -5,7 +5,10 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from sglang_tts.sglang.metrics import finalize_meta_info, write_request_info
+from sglang_tts.sglang.requests import RequestOptions
 from sglang_tts.sglang.runtime import RequestCounters
+
+ACCEPT = RequestOptions(accept_lengths=True)
 
 
 def _req(custom=None, output_ids=()):
@@ -19,7 +22,7 @@ def test_values_align_with_output_tokens_and_finalize_to_scalars_and_rounds():
     counters = RequestCounters()
     for accept_len, updates in ((2, 0), (1, 1), (3, 2)):
         counters.num_updates = updates
-        write_request_info(req, counters, accept_len)
+        write_request_info(req, counters, accept_len, ACCEPT)
         req.output_ids.extend([0] * accept_len)
     info = req.customized_info
     assert all(len(column) == len(req.output_ids) for column in info.values())
@@ -31,7 +34,7 @@ def test_values_align_with_output_tokens_and_finalize_to_scalars_and_rounds():
 
 def test_accept_lengths_only_when_asked():
     req = _req(None)
-    write_request_info(req, RequestCounters(), 2)
+    write_request_info(req, RequestCounters(), 2, RequestOptions())
     assert "tts_accept_lengths" not in req.customized_info
     assert "tts_weight_digest_start" not in req.customized_info
 
@@ -39,8 +42,8 @@ def test_accept_lengths_only_when_asked():
 def test_digest_start_is_the_first_round_and_end_the_last():
     req = _req({"tts_return_weight_digest": True})
     counters = RequestCounters()
-    write_request_info(req, counters, 1, digest="aaa")
-    write_request_info(req, counters, 2, digest="bbb")
+    write_request_info(req, counters, 1, RequestOptions(weight_digest=True), digest="aaa")
+    write_request_info(req, counters, 2, RequestOptions(weight_digest=True), digest="bbb")
     meta = {key: list(values) for key, values in req.customized_info.items()}
     finalize_meta_info(meta)
     assert meta["tts_weight_digest_start"] == "aaa" and meta["tts_weight_digest_end"] == "bbb"
@@ -51,7 +54,7 @@ def test_a_round_run_after_the_request_finished_is_not_reported():
     tokens (completion_tokens counts the kept ones), so its values are dropped too."""
     req = _req({"tts_return_accept_lengths": True}, output_ids=[7])
     for accept_len in (2, 4, 3):  # the third round ran after the request had finished
-        write_request_info(req, RequestCounters(), accept_len)
+        write_request_info(req, RequestCounters(), accept_len, ACCEPT)
     meta = {key: list(values) for key, values in req.customized_info.items()} | {"completion_tokens": 7}
     finalize_meta_info(meta)
     assert meta["tts_accept_lengths"] == [2, 4]
@@ -62,7 +65,7 @@ def test_rounds_stay_aligned_when_output_ids_lag_behind_the_worker():
     tokens (or even the prefill token) to output_ids; the lists still start after the prefill token."""
     req = _req({"tts_return_accept_lengths": True}, output_ids=[])  # prefill token not appended yet
     for accept_len in (2, 1, 3, 2):  # the last round ran after the request had finished at 7 tokens
-        write_request_info(req, RequestCounters(), accept_len)
+        write_request_info(req, RequestCounters(), accept_len, ACCEPT)
     meta = {key: list(values) for key, values in req.customized_info.items()} | {"completion_tokens": 7}
     finalize_meta_info(meta)
     assert meta["tts_accept_lengths"] == [2, 1, 3]

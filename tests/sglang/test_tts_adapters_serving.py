@@ -44,6 +44,7 @@ def runs(loopy_llama, loopy_eagle3):
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3), *CHAIN,
         "--tts-scope", "request", "--tts-update-stride", "2", "--tts-sync", "--tts-adapter-lr", "1e-2",
+        "--tts-allow-weight-digest",
         "--tts-max-adapted-requests", "2",
     ]  # fmt: skip
     with sglang_server(str(loopy_llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
@@ -120,6 +121,7 @@ def test_dflash_drafters_adapt_per_request_too(loopy_llama, loopy_dflash):
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_dflash),
         "--tts-scope", "request", "--tts-update-stride", "2", "--tts-sync", "--tts-adapter-lr", "1e-2",
+        "--tts-allow-weight-digest",
     ]  # fmt: skip
     with sglang_server(str(loopy_llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
         results = _run_together(server.base_url, [PROMPT_A, PROMPT_B])
@@ -139,6 +141,7 @@ def test_dense_per_request_deltas_adapt_each_request_and_beat_the_frozen_drafter
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3), *CHAIN,
         "--tts-scope", "request", "--tts-adapter-rank", "full", "--tts-update-stride", "2", "--tts-sync",
+        "--tts-allow-weight-digest",
         "--tts-lr", "1e-2", "--tts-max-adapted-requests", "2",
     ]  # fmt: skip
     with sglang_server(str(loopy_llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:

@@ -21,7 +21,10 @@ DETAILS = {"tts_return_accept_lengths": True, "tts_return_weight_digest": True}
 
 
 def _tts_args(drafter, *extra):
-    return ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(drafter), *extra]
+    return [
+        "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(drafter), "--tts-allow-weight-digest",
+        *extra,
+    ]  # fmt: skip
 
 
 def _late_accept(meta) -> float:

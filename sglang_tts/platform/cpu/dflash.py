@@ -26,7 +26,9 @@ fixed at the narrowest point SGLang offers, and only while the CPU layer is acti
    needs `tree_speculative_sampling_target_only`, a CUDA kernel; without it DFLASH verifies
    sampling requests by the target's argmax, which does not keep the target's distribution.
    -> `forward_batch_generation_hook` installs the PyTorch version (spec_sampling.py) into
-   `dflash_utils` once, so CPU sampling requests take SGLang's own rejection-sampling path.
+   `dflash_utils` once, so CPU sampling requests take SGLang's own rejection-sampling path; the
+   top-k / top-p renormalisation there gets the kernels' semantics too (ties at the pivot kept)
+   instead of dflash_utils' own rank-based fallback.
 
 DFLASH keeps SGLang's overlap scheduler on CPU: `_handle_dflash` (unlike the EAGLE and NGRAM
 handlers) does not turn it off for CPU, and DFlashWorkerV2 serves correctly overlapped once the
@@ -175,10 +177,10 @@ def enable_sampling_verify() -> None:
     """
     import sglang.srt.speculative.dflash_utils as dflash_utils
 
-    from sglang_tts.platform.cpu.spec_sampling import tree_speculative_sampling_target_only
+    from sglang_tts.platform.cpu.spec_sampling import fill_missing_sampling_ops
 
     if dflash_utils.tree_speculative_sampling_target_only is None:
-        dflash_utils.tree_speculative_sampling_target_only = tree_speculative_sampling_target_only
+        fill_missing_sampling_ops(dflash_utils)
         dflash_utils._DFLASH_SAMPLING_VERIFY_AVAILABLE = True
 
 
