@@ -37,6 +37,7 @@ from sglang_tts.control.actions import Action
 from sglang_tts.control.controller import Controller
 from sglang_tts.control.observation import Observation
 from sglang_tts.control.policy_file import PolicyBundle, PolicyFileError, load_policy
+from sglang_tts.sglang.failures import FailureLog
 
 logger = logging.getLogger(__name__)
 
@@ -151,6 +152,8 @@ class ControlledSteps:
         self._last_complete: tuple[float, int] | None = None  # (time, forward seq) of the last verify
         self.switches = 0
         self.trace_path = trace_path
+        # A controller that fails keeps the current action (the worker passes its runtime's log).
+        self.failures = FailureLog()
         if trace_path:
             path = Path(trace_path)
             if not path.exists() or path.stat().st_size == 0:
@@ -173,6 +176,12 @@ class ControlledSteps:
         return self.controller.current.num_steps
 
     def on_verify_complete(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
+        """SGLang asks for the next chain length (None: keep it); a failure keeps it too."""
+        with self.failures.absorb("controller"):
+            return self._decide(num_correct_drafts_per_req, batch_size)
+        return None
+
+    def _decide(self, num_correct_drafts_per_req: list[int], batch_size: int) -> int | None:
         if not num_correct_drafts_per_req or batch_size <= 0:
             return None
         now = time.perf_counter()

@@ -107,6 +107,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
         bundle = load_policy(config.controller)  # validated at launch
         controller = bundle.make_controller(learn=config.controller_learn)
         adapter = ControlledSteps(controller, self.tts.distiller.set_update_stride, config.controller_trace)
+        adapter.failures = self.tts.failures
         self.adaptive_controller.params = adapter
         self._tts_round_seconds = 0.0
         logger.info(

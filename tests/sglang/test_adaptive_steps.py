@@ -49,3 +49,18 @@ def test_round_time_is_measured_between_consecutive_verifies(tmp_path):
     _round(adapter, [1], 1, prefill_before=True)  # a prefill ran in between: the forward's time again
     seconds = adapter.controller._window.seconds
     assert 1.0 <= seconds < 1.1
+
+
+def test_a_failing_controller_keeps_the_current_chain_length_and_is_counted():
+    """SGLang calls on_verify_complete on the scheduler thread: a policy that raises must not stop it."""
+    from types import SimpleNamespace
+
+    from sglang_tts.sglang.adaptive_steps import ControlledSteps
+
+    def broken_observe(obs):
+        raise FloatingPointError("policy state went bad")
+
+    controller = SimpleNamespace(current=SimpleNamespace(num_steps=3, update_stride=2), observe=broken_observe)
+    steps = ControlledSteps(controller, set_stride=lambda stride: None)
+    assert steps.on_verify_complete([1, 2], batch_size=2) is None
+    assert steps.failures.counts["controller"] == 1
