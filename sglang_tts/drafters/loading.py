@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -76,11 +77,21 @@ def _weight_files(path: Path) -> list[Path]:
         index = path / index_name
         if index.is_file():
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            return [path / shard for shard in shards]
+            return [_shard_inside(path, index, shard) for shard in shards]
     for single in ("model.safetensors", "pytorch_model.bin"):
         if (path / single).is_file():
             return [path / single]
     raise FileNotFoundError(f"no model.safetensors / pytorch_model.bin (or index) in {path}")
+
+
+def _shard_inside(path: Path, index: Path, shard: str) -> Path:
+    """The shard file an index names, refused unless its name stays inside the checkpoint directory
+    (an absolute name or `..` would read tensor files from anywhere). The check is on the name, not
+    the resolved file: Hugging Face's cache keeps shards as symlinks into its blob store."""
+    parts = Path(os.path.normpath(shard)).parts
+    if not shard or Path(shard).is_absolute() or not parts or parts[0] == ".." or "\x00" in shard:
+        raise ValueError(f"{index}: shard {shard!r} lies outside the checkpoint directory {path}; refusing to read it")
+    return path / shard
 
 
 def _read_file(file: Path, names: set[str] | None = None) -> dict[str, torch.Tensor]:

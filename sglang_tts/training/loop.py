@@ -2,7 +2,10 @@
 clipping, periodic checkpoints, and an exactly resumable training state.
 
 Resumability: the state file (``<out>/train/state.pt``) holds the step, the drafter's state dict,
-the optimizer and scheduler states and the metric history. Recipes must make step ``s``'s batch
+the optimizer and scheduler states and the metric history. It is read with PyTorch's weights-only
+unpickler (tensors and plain containers, never code): the non-tensor state (step, scheduler,
+history, settings) is one JSON string inside it, so a tampered output folder cannot run code on
+``--resume``; a file that needs more than that is refused naming the file. Recipes must make step ``s``'s batch
 and randomness a function of ``s`` alone (``target.batch_indices``, per-step generators), so a
 resumed run takes exactly the steps the uninterrupted one would have taken.
 """
@@ -99,7 +102,7 @@ def train_loop(
     history: list[dict[str, float]] = []
     step = 0
     if resume and state_file.is_file():
-        state = torch.load(state_file, map_location="cpu", weights_only=False)
+        state = load_training_state(state_file)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
@@ -120,17 +123,15 @@ def train_loop(
 
     def save() -> None:
         save_fn(step)
+        meta = {
+            "step": step,
+            "scheduler": scheduler.state_dict(),
+            "history": history,
+            "optim_config": asdict(optim),
+            "steps": loop.steps,
+        }
         atomic_save(
-            {
-                "step": step,
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scheduler": scheduler.state_dict(),
-                "history": history,
-                "optim_config": asdict(optim),
-                "steps": loop.steps,
-            },
-            state_file,
+            {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "meta": json.dumps(meta)}, state_file
         )
 
     # The metric log restarts with a fresh run and drops what a killed run logged after its last save.
@@ -181,7 +182,24 @@ def training_state_step(state_dir: Path) -> int | None:
     state_file = state_dir / STATE_FILE
     if not state_file.is_file():
         return None
-    return int(torch.load(state_file, map_location="cpu", weights_only=False)["step"])
+    return int(load_training_state(state_file)["step"])
+
+
+def load_training_state(state_file: Path) -> dict[str, Any]:
+    """A training state file, read with the weights-only unpickler (it never runs code from the
+    file): the tensors plus the JSON-encoded rest, flattened into one dict."""
+    try:
+        stored = torch.load(state_file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle.UnpicklingError for disallowed globals, anything for a torn file
+        raise ValueError(
+            f"refusing to resume from {state_file}: it is not a weights-only training state "
+            f"(tampered with, or not written by this trainer): {exc}. Delete it to start afresh."
+        ) from exc
+    if not isinstance(stored, dict) or not {"model", "optimizer"} <= stored.keys():
+        raise ValueError(f"refusing to resume from {state_file}: not a training state (keys model, optimizer)")
+    if "meta" not in stored:  # written before the JSON split: the same fields, stored flat
+        return stored
+    return {"model": stored["model"], "optimizer": stored["optimizer"], **json.loads(stored["meta"])}
 
 
 def read_metrics(state_dir: Path) -> list[dict[str, Any]]:

@@ -168,3 +168,18 @@ def test_state_dict_is_a_loadable_checkpoint(tmp_path, llama_target, make_target
     canvas = make_eagle3_inputs(drafter)["canvas"]
     with torch.no_grad():
         torch.testing.assert_close(again.canvas_hidden(canvas), drafter.canvas_hidden(canvas), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "shard", ["../outside.safetensors", "sub/../../outside.safetensors", "/tmp/outside.safetensors"]
+)
+def test_index_shards_outside_the_checkpoint_are_refused(tmp_path, llama_target, make_target_tensors, shard):
+    path = write_tiny_eagle3(tmp_path / "e", llama_target, layout="layers.0")
+    tensors = load_file(str(path / "model.safetensors"))
+    (path / "model.safetensors").unlink()
+    save_file(tensors, str(tmp_path / "outside.safetensors"))  # a readable file the name would reach
+    weight_map = dict.fromkeys(tensors, shard.replace("/tmp/", f"{tmp_path}/"))
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    embedding = make_target_tensors(llama_target)[0]
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: shard .*outside the checkpoint"):
+        load_drafter(path, target_embedding=embedding)

@@ -76,3 +76,30 @@ def test_resume_without_state_starts_fresh_and_time_budget_stops(tmp_path):
     result = train_loop(model, step_fn, OptimConfig(), loop, tmp_path, lambda s: None, resume=True)
     assert (result.start_step, result.step, result.finished) == (0, 1, False)
     assert training_state_step(tmp_path) == 1
+
+
+class _RunsCode:
+    """A pickle payload: unpickling it calls Path.touch on the marker (any callable would do)."""
+
+    def __init__(self, marker) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (type(self.marker).touch, (self.marker,))
+
+
+def test_resume_never_runs_code_from_a_tampered_state(tmp_path):
+    model, step_fn = _problem()
+    train_loop(model, step_fn, OptimConfig(), LoopConfig(steps=2, progress=False), tmp_path, lambda s: None)
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    assert set(state) == {"model", "optimizer", "meta"}  # non-tensor state is a JSON string
+    marker = tmp_path / "pwned"
+    state["meta"] = _RunsCode(marker)
+    torch.save(state, tmp_path / "state.pt")
+    with pytest.raises(ValueError, match="refusing to resume from .*state.pt"):
+        train_loop(
+            model, step_fn, OptimConfig(), LoopConfig(steps=4, progress=False), tmp_path, lambda s: None, resume=True
+        )
+    with pytest.raises(ValueError, match="state.pt"):
+        training_state_step(tmp_path)
+    assert not marker.exists()

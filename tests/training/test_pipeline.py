@@ -37,7 +37,7 @@ def tiny_run(request_for, tmp_path_factory):
 
 
 def _state(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    return torch.load(path / "train" / "state.pt", map_location="cpu", weights_only=False)["model"]
+    return torch.load(path / "train" / "state.pt", map_location="cpu", weights_only=True)["model"]
 
 
 def test_tiny_configuration_trains_both_drafters(tiny_run):
