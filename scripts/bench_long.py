@@ -6,7 +6,7 @@ targets a running server with --base-url), records every request's per-round acc
 tokens, wall time and TTS update counters, and writes results/<run>/results.json, report.md and
 PNG plots (four per sampling mode). Requests go through the openai client (/v1/chat/completions,
 meta_info via extra_body) unless --api generate. See sglang_tts/bench/ for the definitions and the
-schedule, and the README's "Benchmarks" section for the outputs.
+schedule, and docs/benchmarks.md for the outputs.
 
 Examples::
 

@@ -54,7 +54,7 @@ class TTSConfig:
     # Canvas positions the loss uses. "accepted": the accepted path plus the next position (whose
     # target distribution the first rejected draft should have matched); positions after a rejection
     # are conditioned on a rejected token, and training on them slowed adaptation down badly in our
-    # replay of served canvases (README). "full": every drafted position of a chain (paper's sum).
+    # replay of served canvases (docs/results.md). "full": every drafted position of a chain (paper's sum).
     canvas: Literal["accepted", "full"] = "accepted"
     # Log a summary line every this many rounds (0: never).
     log_interval: int = 50

@@ -2,7 +2,7 @@
 
 A canvas is a batch of *chains*: for each request, the tokens the drafter consumed at each canvas
 position and the target's distribution there. Tree drafts are reduced to a chain by the adapter
-(the accepted path plus the next position, see README "Which tree nodes the loss uses").
+(the accepted path plus the next position, see docs/how-it-works.md, "Which canvas positions the loss uses").
 
 Indexing convention (EAGLE-3 and DFlash alike). At a round anchored at verified token x_t
 (the last token the target has accepted, whose target feature is not yet known):

@@ -1,6 +1,6 @@
 """Turn one SGLang EAGLE verify step into a TTS Canvas.
 
-Which nodes the loss uses (see README), by default (`--tts-canvas accepted`), for chains and trees:
+Which nodes the loss uses (see docs/how-it-works.md), by default (`--tts-canvas accepted`), for chains and trees:
 the accepted path plus the next position, i.e. the nodes in `accept_index[r, :accept_len]`. The
 last of them is where the first rejected node hangs: the target's distribution there is exactly
 what the rejected draft should have matched. `--tts-canvas full` (chains only) uses every drafted
