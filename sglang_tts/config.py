@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -74,6 +75,7 @@ class TTSConfig:
     controller_trace: str | None = None
 
     def validate(self) -> TTSConfig:
+        self._check_finite()
         if not isinstance(self.update_stride, int) or self.update_stride < 1:
             raise TTSConfigError(f"--tts-update-stride must be an integer >= 1, got {self.update_stride!r}")
         if not (self.lr > 0.0):
@@ -110,6 +112,17 @@ class TTSConfig:
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
         return self
+
+    def _check_finite(self) -> None:
+        """Every number must be finite: NaN passes each `< 0` check and Inf each `> 0` one, and
+        either would reach the optimizer (NaN lambda, alpha or position weight: NaN weights)."""
+        for f in fields(self):
+            value = getattr(self, f.name)
+            numbers = value if isinstance(value, tuple) else (value,)
+            for number in numbers:
+                if isinstance(number, float) and not math.isfinite(number):
+                    flag = f"--tts-{f.name.replace('_', '-')}"
+                    raise TTSConfigError(f"{flag} must be a finite number, got {value!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

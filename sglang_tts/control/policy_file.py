@@ -224,6 +224,9 @@ def load_document(document: Any, source: str) -> PolicyBundle:
     state = document["state"]
     if not isinstance(state, dict) or not isinstance(state.get("config"), dict):
         raise fail("'state' must be an object with a 'config' object")
+    bad = _non_finite(state, "state")
+    if bad is not None:
+        raise fail(f"NaN or Inf in the policy's state at {bad}")
     if kind in STATEFUL_KINDS and state["config"].get("dim") != len(expected_names):
         raise fail(
             f"the {kind} state has {state['config'].get('dim')!r} features, "
@@ -237,3 +240,21 @@ def load_document(document: Any, source: str) -> PolicyBundle:
     if not isinstance(meta, dict):
         raise fail("'meta' must be an object")
     return PolicyBundle(policy=policy, config=config, max_steps=max_steps, meta=meta, path=source)
+
+
+def _non_finite(value: Any, where: str) -> str | None:
+    """The path of the first NaN/Inf number in a parsed JSON value (JSON parsers accept NaN and
+    Infinity), or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else where
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        bad = _non_finite(item, f"{where}[{key!r}]")
+        if bad is not None:
+            return bad
+    return None

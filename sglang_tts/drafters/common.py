@@ -39,6 +39,22 @@ class IncompatibleDrafterError(ValueError):
     """The drafter checkpoint cannot run against the given target (or is not a known drafter)."""
 
 
+class CheckpointTensorError(ValueError):
+    """A checkpoint tensor is missing or does not fit the drafter; `tensor` names the stored tensor
+    at fault (None when tensors are missing: they are named in the message)."""
+
+    def __init__(self, message: str, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.tensor = tensor
+
+
+def check_tensor_shape(raw_name: str, stored: tuple[int, ...], expected: tuple[int, ...]) -> None:
+    if tuple(stored) != tuple(expected):
+        raise CheckpointTensorError(
+            f"{raw_name}: checkpoint shape {tuple(stored)} != model {tuple(expected)}", raw_name
+        )
+
+
 def text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The language-model part of an HF config dict (VLM configs nest it under text_config)."""
     nested = cfg.get("text_config")

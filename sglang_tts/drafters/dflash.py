@@ -46,6 +46,7 @@ from torch import nn
 
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.drafters.common import (
+    CheckpointTensorError,
     KVCache,
     RMSNorm,
     RopeSpec,
@@ -53,6 +54,7 @@ from sglang_tts.drafters.common import (
     SwiGLUMLP,
     UnsupportedDrafterConfigError,
     check_past,
+    check_tensor_shape,
     detach_kv,
     head_dim_of,
     masked_attention,
@@ -273,28 +275,36 @@ class DFlashDrafter(nn.Module):
             )
         self.mask_embedding = embedding.detach().reshape(self.cfg.hidden_size)
 
-    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
-        """Load `layers.*`, `fc`, `hidden_norm`, `norm` (optional `model.` prefix; the native
-        export's `encoder.fc.weight` / `encoder.output_norm_enc.weight` aliases), as
-        models/dflash.py:DFlashDraftModel.load_weights. Returns the ignored names."""
+    def checkpoint_plan(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], list[str]]:
+        """What `load_checkpoint_weights` makes of tensors of these names and shapes, values unread:
+        {stored name: own name} and the ignored names; raises CheckpointTensorError naming a tensor
+        whose shape does not fit, or the tensors the checkpoint lacks. Names: `layers.*`, `fc`,
+        `hidden_norm`, `norm` (optional `model.` prefix; the native export's `encoder.fc.weight` /
+        `encoder.output_norm_enc.weight` aliases), as models/dflash.py:DFlashDraftModel.load_weights."""
         aliases = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
-        own = self.state_dict()
-        loaded: set[str] = set()
+        own = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        plan: dict[str, str] = {}
         ignored: list[str] = []
-        for raw_name, tensor in weights.items():
+        for raw_name, shape in shapes.items():
             name = aliases.get(raw_name, raw_name.removeprefix("model."))
             if name not in own:
                 ignored.append(raw_name)
                 continue
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                shapes = f"{tuple(tensor.shape)} != model {tuple(own[name].shape)}"
-                raise ValueError(f"{raw_name}: checkpoint shape {shapes}")
-            with torch.no_grad():
-                own[name].copy_(tensor)
-            loaded.add(name)
-        missing = sorted(set(own) - loaded)
+            check_tensor_shape(raw_name, shape, own[name])
+            plan[raw_name] = name
+        missing = sorted(set(own) - set(plan.values()))
         if missing:
-            raise ValueError(f"DFlash checkpoint is missing {missing}")
+            raise CheckpointTensorError(f"DFlash checkpoint is missing {missing}")
+        return plan, ignored
+
+    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """Load a DFlash checkpoint's tensors (names and checks: `checkpoint_plan`, which runs before
+        anything is copied). Returns the ignored names."""
+        plan, ignored = self.checkpoint_plan({raw: tuple(t.shape) for raw, t in weights.items()})
+        own = self.state_dict()
+        with torch.no_grad():
+            for raw_name, name in plan.items():
+                own[name].copy_(weights[raw_name])
         return ignored
 
     # ------------------------------------------------------------------ pieces

@@ -52,6 +52,7 @@ from torch import nn
 
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.drafters.common import (
+    CheckpointTensorError,
     KVCache,
     RMSNorm,
     RopeSpec,
@@ -60,6 +61,7 @@ from sglang_tts.drafters.common import (
     UnsupportedDrafterConfigError,
     append_kv,
     check_past,
+    check_tensor_shape,
     detach_kv,
     head_dim_of,
     masked_attention,
@@ -68,6 +70,7 @@ from sglang_tts.drafters.common import (
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Old checkpoint names -> module names (llama_eagle3.py:LlamaForCausalLMEagle3.load_weights).
+_EMBED = "embed_tokens.weight"  # owned only when target_hidden_size != hidden_size
 LEGACY_NAMES = {
     "midlayer": "layers.0",
     "aux_norm_low": "fc_norm.0",
@@ -282,48 +285,61 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError(f"target lm_head {tuple(lm_head.shape)} does not fit the drafter")
             self.borrowed_lm_head = lm_head.detach()
 
-    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
-        """Load an EAGLE-3 checkpoint's tensors (either `midlayer.*` or `layers.N.*` layout).
+    def checkpoint_plan(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], list[str]]:
+        """What `load_checkpoint_weights` makes of tensors of these names and shapes, values unread:
+        {stored name: own name} and the ignored names. Raises CheckpointTensorError naming a tensor
+        whose shape does not fit, or the tensors the checkpoint lacks (the launch check runs this on
+        a meta-device drafter and the files' headers).
 
         Name handling follows llama_eagle3.py:LlamaForCausalLMEagle3.load_weights: `midlayer` ->
         `layers.0`, `aux_norm_{low,mid,high}` -> `fc_norm.{0,1,2}`, optional `model.` prefix.
-        `d2t` is required unless the draft vocabulary is the full target vocabulary; `t2d` is
-        rebuilt from `d2t` when absent. Returns the names that were ignored.
+        `d2t` is required unless the draft vocabulary is the full target vocabulary.
         """
-        own = self.state_dict()
-        loaded: set[str] = set()
+        own = {name: tuple(t.shape) for name, t in self.state_dict().items()}
+        if self.cfg.own_embedding:
+            own[_EMBED] = (self.cfg.vocab_size, self.cfg.hidden_size)
+        plan: dict[str, str] = {}
         ignored: list[str] = []
-        for raw_name, tensor in weights.items():
+        for raw_name, shape in shapes.items():
             name = raw_name.removeprefix("model.")
             for old, new in LEGACY_NAMES.items():
                 name = name.replace(old, new)
-            if name == "embed_tokens.weight":
-                if self.cfg.own_embedding:
-                    self.attach_target(tensor)
-                else:
-                    ignored.append(raw_name)  # SGLang replaces it with the target's embedding
-                continue
             if name not in own:
-                ignored.append(raw_name)  # e.g. unused layers.N.input_layernorm (N > 0), rotary caches
+                # e.g. unused layers.N.input_layernorm (N > 0), rotary caches, and embed_tokens
+                # unless the drafter owns its embedding (SGLang replaces it with the target's)
+                ignored.append(raw_name)
                 continue
-            if tuple(tensor.shape) != tuple(own[name].shape):
-                shapes = f"{tuple(tensor.shape)} != model {tuple(own[name].shape)}"
-                raise ValueError(f"{raw_name}: checkpoint shape {shapes}")
+            check_tensor_shape(raw_name, shape, own[name])
+            plan[raw_name] = name
+        found = set(plan.values())
+        if self.cfg.own_embedding and _EMBED not in found and self.embed_weight is None:
+            raise CheckpointTensorError(
+                "EAGLE-3 checkpoint with target_hidden_size != hidden_size must ship embed_tokens.weight"
+            )
+        if "d2t" not in found and self.cfg.draft_vocab_size != self.cfg.vocab_size:
+            raise CheckpointTensorError("EAGLE-3 checkpoint has a reduced draft vocabulary but no d2t tensor")
+        missing = sorted(set(own) - found - {"d2t", "t2d", _EMBED})
+        if missing:
+            raise CheckpointTensorError(f"EAGLE-3 checkpoint is missing {missing}")
+        return plan, ignored
+
+    def load_checkpoint_weights(self, weights: dict[str, torch.Tensor]) -> list[str]:
+        """Load an EAGLE-3 checkpoint's tensors (either `midlayer.*` or `layers.N.*` layout; names
+        and checks: `checkpoint_plan`, which runs before anything is copied). `t2d` is rebuilt from
+        `d2t` when absent. Returns the names that were ignored."""
+        plan, ignored = self.checkpoint_plan({raw: tuple(t.shape) for raw, t in weights.items()})
+        own = self.state_dict()
+        for raw_name, name in plan.items():
+            if name == _EMBED:
+                self.attach_target(weights[raw_name])
+                continue
             with torch.no_grad():
-                own[name].copy_(tensor)
-            loaded.add(name)
+                own[name].copy_(weights[raw_name])
+        loaded = set(plan.values())
         if "d2t" in loaded and "t2d" not in loaded:
             t2d = torch.zeros_like(self.t2d)
             t2d[self.draft_to_target_ids()] = True
             self.t2d.copy_(t2d)
-            loaded.add("t2d")
-        if self.cfg.own_embedding and self.embed_weight is None:
-            raise ValueError("EAGLE-3 checkpoint with target_hidden_size != hidden_size must ship embed_tokens.weight")
-        if "d2t" not in loaded and self.cfg.draft_vocab_size != self.cfg.vocab_size:
-            raise ValueError("EAGLE-3 checkpoint has a reduced draft vocabulary but no d2t tensor")
-        missing = sorted(set(own) - loaded - {"d2t", "t2d"})
-        if missing:
-            raise ValueError(f"EAGLE-3 checkpoint is missing {missing}")
         if not bool(self.t2d[self.draft_to_target_ids()].all()):
             raise ValueError("EAGLE-3 checkpoint d2t/t2d disagree: some draft ids map outside t2d")
         return ignored

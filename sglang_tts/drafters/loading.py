@@ -24,7 +24,12 @@ from typing import Any, Literal
 
 import torch
 
-from sglang_tts.drafters.common import IncompatibleDrafterError, UnsupportedDrafterConfigError, text_config
+from sglang_tts.drafters.common import (
+    CheckpointTensorError,
+    IncompatibleDrafterError,
+    UnsupportedDrafterConfigError,
+    text_config,
+)
 from sglang_tts.drafters.dflash import DFLASH_ARCHITECTURES, DFlashConfig, DFlashDrafter, build_target_layer_ids
 from sglang_tts.drafters.eagle3 import EAGLE3_ARCHITECTURES, Eagle3Config, Eagle3Drafter
 
@@ -34,6 +39,7 @@ DrafterKind = Literal["eagle3", "dflash"]
 
 __all__ = [
     "IncompatibleDrafterError",
+    "check_checkpoint",
     "check_compatible",
     "drafter_kind",
     "kind_from_config",
@@ -232,6 +238,69 @@ def check_compatible(drafter_config: dict[str, Any], target_config: dict[str, An
 # ----------------------------------------------------------------------------- loading
 
 
+def _build_drafter(
+    cfg: dict[str, Any], kind: DrafterKind, target_text: dict[str, Any]
+) -> tuple[Eagle3Drafter | DFlashDrafter, bool, bool]:
+    """The drafter a config describes (weights uninitialised), and whether it borrows the target's
+    embedding and LM head."""
+    if kind == "eagle3":
+        e3 = Eagle3Config.from_dict(cfg)
+        return Eagle3Drafter(e3), not e3.own_embedding, e3.lm_head_from_target
+    depth = target_text.get("num_hidden_layers")
+    dcfg = DFlashConfig.from_dict(cfg, target_num_layers=int(depth) if depth is not None else None)
+    if dcfg.mask_token_id is None:
+        raise UnsupportedDrafterConfigError(
+            "DFlash config has no mask_token_id (SGLang would resolve it through the tokenizer); "
+            "set dflash_config.mask_token_id"
+        )
+    return DFlashDrafter(dcfg), True, True
+
+
+def _stored_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of a weight file's tensors, read from its header (safetensors) or memory-mapped
+    onto the meta device (torch files): no tensor data is read."""
+    if file.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    state = torch.load(file, map_location="meta", weights_only=True, mmap=True)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def check_checkpoint(path: str | Path, target_config: dict[str, Any] | None = None) -> None:
+    """The launch check of a drafter checkpoint's tensors, reading headers only: every weight file
+    opens (a truncated or corrupt one is named), and every tensor the drafter needs is there with its
+    shape (the same rules as loading: `checkpoint_plan` on a meta-device drafter). Raises ValueError
+    naming the file and the tensor."""
+    path = Path(path)
+    cfg = read_config(path)
+    target_text = text_config(target_config) if target_config is not None else {}
+    with torch.device("meta"):
+        drafter = _build_drafter(cfg, kind_from_config(cfg), target_text)[0]
+    files = _weight_files(path)
+    shapes: dict[str, tuple[int, ...]] = {}
+    origin: dict[str, Path] = {}
+    for file in files:
+        try:
+            stored = _stored_shapes(file)
+        except Exception as exc:  # safetensors / zip errors: torn, truncated, not a weight file
+            raise ValueError(f"drafter weight file {file} cannot be read (truncated or corrupt?): {exc}") from None
+        shapes.update(stored)
+        origin.update(dict.fromkeys(stored, file))
+    try:
+        drafter.checkpoint_plan(shapes)
+    except CheckpointTensorError as exc:
+        where = origin[exc.tensor] if exc.tensor in origin else ", ".join(str(f) for f in files)
+        raise ValueError(f"drafter checkpoint {where}: {exc}") from None
+    mask_file = path / "mask_embedding.pt"
+    if isinstance(drafter, DFlashDrafter) and mask_file.is_file():
+        try:
+            torch.load(mask_file, map_location="meta", weights_only=True, mmap=True)
+        except Exception as exc:
+            raise ValueError(f"{mask_file} cannot be read (truncated or corrupt?): {exc}") from None
+
+
 def load_drafter(
     path: str | Path,
     target_embedding: torch.Tensor | None = None,
@@ -257,22 +326,7 @@ def load_drafter(
     if target_config is not None:
         check_compatible(cfg, target_config)
     target_text = text_config(target_config) if target_config is not None else {}
-
-    drafter: Eagle3Drafter | DFlashDrafter
-    if kind == "eagle3":
-        e3 = Eagle3Config.from_dict(cfg)
-        drafter = Eagle3Drafter(e3)
-        need_embedding, need_head = not e3.own_embedding, e3.lm_head_from_target
-    else:
-        depth = target_text.get("num_hidden_layers")
-        dcfg = DFlashConfig.from_dict(cfg, target_num_layers=int(depth) if depth is not None else None)
-        if dcfg.mask_token_id is None:
-            raise UnsupportedDrafterConfigError(
-                "DFlash config has no mask_token_id (SGLang would resolve it through the tokenizer); "
-                "set dflash_config.mask_token_id"
-            )
-        drafter = DFlashDrafter(dcfg)
-        need_embedding, need_head = True, True
+    drafter, need_embedding, need_head = _build_drafter(cfg, kind, target_text)
 
     if target_path is not None and (
         (need_embedding and target_embedding is None) or (need_head and target_lm_head is None)

@@ -19,7 +19,7 @@ from typing import Any
 from sglang_tts.config import FULL_RANK
 from sglang_tts.drafters.common import UnsupportedDrafterConfigError, text_config
 from sglang_tts.drafters.dflash import DFlashConfig
-from sglang_tts.drafters.loading import IncompatibleDrafterError, check_compatible, drafter_kind
+from sglang_tts.drafters.loading import IncompatibleDrafterError, check_checkpoint, check_compatible, drafter_kind
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +84,10 @@ def resolve_drafter(draft_path: str | None, target_path: str | None) -> str:
             check_compatible(_read_json(draft_dir / "config.json"), target_config)
         except IncompatibleDrafterError as e:
             raise TTSLaunchError(f"TTS drafter {draft_path!r} does not fit target {target_path!r}: {e}") from None
+    try:  # a truncated or corrupt checkpoint fails here, naming the file and tensor, not in the worker
+        check_checkpoint(draft_dir, target_config)
+    except (UnsupportedDrafterConfigError, ValueError) as e:
+        raise TTSLaunchError(f"TTS drafter {draft_path!r}: {e}") from None
     if kind == "dflash":
         depth = text_config(target_config).get("num_hidden_layers") if target_config else None
         try:  # options the differentiable DFlash drafter does not implement (DFlash 2, Domino, ...)

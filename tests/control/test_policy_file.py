@@ -88,6 +88,12 @@ def _write(path, document):
         (lambda d: d["state"]["b"].pop(), "bad linucb state"),
         (lambda d: d["state"]["a_inv"][0][0].__setitem__(0, float("nan")), "NaN"),
         (lambda d: d["state"]["config"].update(dim=5), "has 5 features"),
+        (
+            lambda d: d["state"].update(noise_var=float("inf")),
+            r"NaN or Inf in the policy's state at state\['noise_var'\]",
+        ),
+        (lambda d: d["state"].update(y_sum=float("nan")), r"state at state\['y_sum'\]"),
+        (lambda d: d["state"]["config"].update(ridge=float("-inf")), r"state at state\['config'\]\['ridge'\]"),
     ],
 )
 def test_corrupt_or_mismatched_files_are_clear_errors(tmp_path, edit, message):

@@ -76,3 +76,41 @@ def test_dense_per_request_adapters_refuse_cuda_graphs_at_launch(tiny_llama, tmp
         validate_server_args(args(device="cuda", disable_cuda_graph=False))
     validate_server_args(args(device="cuda", disable_cuda_graph=True))
     validate_server_args(args(device="cpu"))
+
+
+def _rewrite_weights(drafter, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(drafter / "model.safetensors"))
+    save_file(edit(tensors), str(drafter / "model.safetensors"))
+
+
+@pytest.mark.parametrize("write", [write_tiny_eagle3, write_tiny_dflash])
+def test_a_checkpoint_missing_a_tensor_is_a_launch_error_naming_file_and_tensor(tiny_llama, tmp_path, write):
+    drafter = write(tmp_path / "d", _target_config(tiny_llama))
+    _rewrite_weights(drafter, lambda t: {k: v for k, v in t.items() if not k.endswith("fc.weight")})
+    with pytest.raises(TTSLaunchError, match=r"model\.safetensors: .*checkpoint is missing \[.*fc\.weight"):
+        resolve_drafter(str(drafter), str(tiny_llama))
+
+
+@pytest.mark.parametrize("write", [write_tiny_eagle3, write_tiny_dflash])
+def test_a_wrongly_shaped_tensor_is_a_launch_error_naming_file_and_tensor(tiny_llama, tmp_path, write):
+    drafter = write(tmp_path / "d", _target_config(tiny_llama))
+    name = None
+
+    def shrink(tensors):
+        nonlocal name
+        name = next(k for k in tensors if k.endswith("fc.weight"))
+        return {**tensors, name: tensors[name][:, :-1].contiguous()}
+
+    _rewrite_weights(drafter, shrink)
+    with pytest.raises(TTSLaunchError, match=rf"model\.safetensors: {name}: checkpoint shape"):
+        resolve_drafter(str(drafter), str(tiny_llama))
+
+
+def test_a_truncated_weight_file_is_a_launch_error_naming_it(tiny_llama, tmp_path):
+    drafter = write_tiny_eagle3(tmp_path / "d", _target_config(tiny_llama))
+    weights = drafter / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(TTSLaunchError, match=r"model\.safetensors cannot be read \(truncated or corrupt"):
+        resolve_drafter(str(drafter), str(tiny_llama))

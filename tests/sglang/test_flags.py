@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from sglang_tts.config import TTSConfigError
 from sglang_tts.sglang import flags
 
 
@@ -47,6 +48,16 @@ def test_flags_reach_the_config(parser):
         (["--tts-reg-lambda", "-0.5"], "--tts-reg-lambda must be >= 0"),
         (["--tts-adapter-rank", "0"], "must be an integer >= 1"),
         (["--tts-adapter-rank", "half"], "expected an integer"),
+        (["--tts-reg-lambda", "nan"], "--tts-reg-lambda must be a finite number"),
+        (["--tts-reg-lambda", "inf"], "--tts-reg-lambda must be a finite number"),
+        (["--tts-max-grad-norm", "nan"], "--tts-max-grad-norm must be a finite number"),
+        (["--tts-max-grad-norm", "inf"], "--tts-max-grad-norm must be a finite number"),
+        (["--tts-position-weights", "1,nan"], "--tts-position-weights must be a finite number"),
+        (["--tts-position-weights", "inf,1"], "--tts-position-weights must be a finite number"),
+        (["--tts-adapter-alpha", "inf"], "--tts-adapter-alpha must be a finite number"),
+        (["--tts-adapter-alpha", "nan"], "--tts-adapter-alpha must be a finite number"),
+        (["--tts-lr", "nan"], "--tts-lr must be a finite number"),
+        (["--tts-adapter-lr", "inf"], "--tts-adapter-lr must be a finite number"),
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(parser, argv, message, capsys):
@@ -65,3 +76,9 @@ def test_a_new_parse_starts_from_defaults(monkeypatch):
     second.parse_args([])
     assert flags.tts_config_from_env().update_stride == 5
     flags.reset_env()
+
+
+@pytest.mark.parametrize(("field", "value"), [("weight_decay", float("nan")), ("adam_betas", [0.9, float("inf")])])
+def test_settings_without_a_flag_must_be_finite_too(field, value):
+    with pytest.raises(TTSConfigError, match="must be a finite number"):
+        flags.config_from_values({field: value})
