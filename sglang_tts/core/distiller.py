@@ -17,8 +17,12 @@ When an update is due (the schedule is deterministic, independent of timing):
   barrier(force=True) applies a pending update now (end of a scope, tests, checkpoints).
 
 Weight versions. The drafter is trained in a private copy; the serving copy is written only
-inside barrier() (reset() publishes through barrier() too), so a draft sees either all-old or
-all-new weights, never a mix, and CUDA graphs replay on complete weights.
+inside barrier() (reset() publishes through barrier() too), and only while no update is running
+(a barrier that is not due while one is in flight publishes nothing: it would copy tensors the
+worker is stepping), so a draft sees either all-old or all-new weights, never a mix, and CUDA
+graphs replay on complete weights. Publishing is all or nothing: if writing the serving copy
+fails part-way, the last published weights are written back (counted in
+stats.num_failed_publishes, logged) and the next barrier publishes again.
   - publisher is None: `drafter` *is* the serving copy; the Distiller trains a deep copy of it
     (frozen parameters and buffers are shared, not copied) and copies the trained tensors into
     `drafter`'s own parameters at barrier().
@@ -28,10 +32,12 @@ all-new weights, never a mix, and CUDA graphs replay on complete weights.
 
 Failures never reach the caller: a non-finite loss, gradient or weight, or any exception inside
 the update, rolls the trained copy *and* the optimizer state back to before the update, is
-counted in stats.num_skipped_updates and logged.
+counted in stats.num_skipped_updates and logged. If the rollback itself fails, the trained copy
+is set back to the last published weights with a fresh optimizer state.
 
 Memory: besides the trained copy, one rollback copy of the trained parameters and optimizer
-state is kept (refilled in place before every update).
+state (refilled in place before every update) and one copy of the last published trained
+parameters (what a failed publish or a failed rollback goes back to).
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ logger = logging.getLogger(__name__)
 #: What a fault injector may return for an update (tests and failure drills):
 #:   "nan"   the loss of the update's last step becomes NaN (caught before backward)
 #:   "raise" an exception right after the first optimizer step (weights already modified)
-Fault = Literal["nan", "raise"]
+#:   "inf_grad"    a gradient element becomes Inf at the first step, the loss stays finite
+#:   "nan_weights" a trained weight becomes NaN after the last optimizer step
+Fault = Literal["nan", "raise", "inf_grad", "nan_weights"]
 
 
 @dataclass
@@ -182,6 +190,8 @@ class Distiller:
         self._rollback = _RollbackPoint(self.train_params)
         self._num_submitted = 0
         self._unpublished = False  # the trained copy holds weights the serving copy has not seen
+        # The trained parameters as last published: what a failed publish writes back.
+        self._published = [p.detach().clone() for p in self.train_params]
         self._weights_cache: dict[int, torch.Tensor] = {}
         self._window_start = 0  # scope round at which the current stride's windows began
 
@@ -228,17 +238,37 @@ class Distiller:
         trained weights if they changed. Returns whether new weights were published."""
         if self.executor.pending and (force or self.update_due()):
             self._absorb(self.executor.wait())
-        if not self._unpublished:
+        if not self._unpublished or self.executor.pending:
+            # Pending: the worker is stepping the trained copy (a barrier before it was skipped and
+            # its weights were collected elsewhere): they are published once it has finished.
             return False
-        with torch.inference_mode(False), torch.no_grad():
-            if self.publisher is not None:
-                self.publisher.publish(dict(self.trained_drafter.trainable_named_parameters()))
-            else:
-                for dst, src in zip(self._serving_params, self.train_params):
-                    dst.data.copy_(src.detach())
+        try:
+            self._write_serving([p.detach() for p in self.train_params])
+        except Exception as error:  # noqa: BLE001 - never half-new weights: put the old ones back
+            self.stats.num_failed_publishes += 1
+            try:
+                self._write_serving(self._published)
+                outcome = "the last published weights were restored; the next barrier publishes again"
+            except Exception:  # noqa: BLE001
+                outcome = "restoring the last published weights failed too; the next barrier tries again"
+            logger.error("TTS publish failed (%r): %s", error, outcome)
+            return False
+        with torch.no_grad():
+            torch._foreach_copy_(self._published, [p.detach() for p in self.train_params])
         self._unpublished = False
         self.stats.weight_version += 1
         return True
+
+    def _write_serving(self, tensors: list[torch.Tensor]) -> None:
+        """Write values of the trained parameters (in train_names order) into the serving copy."""
+        with torch.inference_mode(False), torch.no_grad():
+            if self.publisher is not None:
+                named = dict(self.trained_drafter.trainable_named_parameters())
+                named.update(zip(self.train_names, tensors))
+                self.publisher.publish(named)
+            else:
+                for dst, src in zip(self._serving_params, tensors):
+                    dst.data.copy_(src)
 
     def update_due(self) -> bool:
         """Must the pending update be in the weights of the round about to be drafted?"""
@@ -354,6 +384,8 @@ class Distiller:
                 loss.backward()
             if step == 0:
                 first_loss, first_kl = loss_value, float(out.kl_teacher)
+                if fault == "inf_grad":
+                    next(p for p in self.train_params if p.grad is not None).grad.view(-1)[0] = math.inf
             grad_norm = self._clip_gradients()
             if not math.isfinite(grad_norm):
                 return UpdateOutcome("skipped", reason=f"non-finite gradient at step {step}")
@@ -362,6 +394,8 @@ class Distiller:
                 raise RuntimeError("injected fault after the optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
         with torch.no_grad():
+            if fault == "nan_weights":
+                self.train_params[-1].view(-1)[0] = math.nan
             finite = torch.stack([torch.isfinite(p).all() for p in self.train_params]).all()
         if not bool(finite):
             return UpdateOutcome("skipped", reason="non-finite weights after the step")
@@ -412,9 +446,17 @@ class Distiller:
         stats.update_ms_total += timing.run_s * 1e3
         stats.wait_ms_total += timing.wait_blocked_s * 1e3
         stats.hidden_ms_total += timing.hidden_s * 1e3
-        if result.error is not None:  # the rollback itself failed: keep serving the published weights
+        if result.error is not None:  # the rollback itself failed: back to the published weights
             stats.num_skipped_updates += 1
-            logger.error("TTS update failed outside its rollback: %r", result.error)
+            with torch.no_grad():
+                torch._foreach_copy_([p.detach() for p in self.train_params], self._published)
+            self.optimizer.state.clear()
+            self._unpublished = False
+            logger.error(
+                "TTS update failed outside its rollback (%r): the trained copy is back at the published "
+                "weights, with a fresh optimizer state",
+                result.error,
+            )
             return
         outcome: UpdateOutcome = result.value
         if outcome.status == "ok":

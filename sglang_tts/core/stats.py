@@ -14,6 +14,7 @@ class DistillerStats:
     num_skipped_updates: int = 0  # non-finite or failed updates, rolled back
     num_empty_updates: int = 0  # no canvas position entered the loss: nothing to train on
     num_resets: int = 0
+    num_failed_publishes: int = 0  # publishes that failed part-way (the old weights were written back)
     weight_version: int = 0  # bumped each time new weights are published to the serving copy
     update_ms_total: float = 0.0
     update_ms_last: float = 0.0

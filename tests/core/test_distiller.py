@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -275,13 +276,13 @@ def test_reset_restores_base_weights_and_clears_optimizer_state(generator):
 
 
 def test_faulty_updates_are_skipped_rolled_back_and_counted(generator, caplog):
-    faults = {1: "nan", 3: "raise"}
+    faults = {1: "nan", 3: "raise", 5: "inf_grad", 6: "nan_weights"}
     drafter = TinyDrafter()
     distiller = Distiller(
         drafter, _config(lr=1e-2, steps_per_update=2, reg_lambda=0.1), fault_injector=lambda i: faults.get(i)
     )
     teacher = TinyTeacher()
-    for update_index in range(5):
+    for update_index in range(8):
         trained_before = _params(distiller.trained_drafter)
         serving_before = _params(drafter)
         state_before = {id(p): {k: v.clone() for k, v in s.items()} for p, s in distiller.optimizer.state.items()}
@@ -298,8 +299,11 @@ def test_faulty_updates_are_skipped_rolled_back_and_counted(generator, caplog):
                 assert all(torch.equal(saved[k], state_after[key][k]) for k in saved)
         else:
             assert published and not _equal(_params(drafter), serving_before)
-    assert distiller.stats.num_updates == 3 and distiller.stats.num_skipped_updates == 2
-    assert sum("skipped and rolled back" in r.message for r in caplog.records) == 2
+    assert distiller.stats.num_updates == 4 and distiller.stats.num_skipped_updates == 4
+    skipped = [r.message for r in caplog.records if "skipped and rolled back" in r.message]
+    assert len(skipped) == 4
+    assert "non-finite gradient at step 0" in skipped[2]  # an Inf gradient with a finite loss
+    assert "non-finite weights after the step" in skipped[3]
     assert all(torch.isfinite(p).all() for _, p in drafter.trainable_named_parameters())
 
 
@@ -341,3 +345,87 @@ def test_canvas_without_valid_positions_is_not_an_update(generator):
     assert distiller.stats.num_empty_updates == 1 and distiller.stats.num_updates == 0
     assert _equal(_params(drafter), base)
     assert set(distiller.stats.snapshot()) >= {"rounds", "num_updates", "wait_ms_total", "weight_version"}
+
+
+def test_a_failing_rollback_goes_back_to_the_published_weights(generator, caplog):
+    drafter = TinyDrafter()
+    distiller = Distiller(drafter, _config(lr=1e-2), fault_injector=lambda i: "raise" if i == 1 else None)
+    teacher = TinyTeacher()
+    distiller.observe(teacher.canvas(generator))
+    assert distiller.barrier()
+    published = _params(drafter)
+
+    def broken_restore(optimizer):
+        raise RuntimeError("restore failed")
+
+    distiller._rollback.restore = broken_restore
+    distiller.observe(teacher.canvas(generator))  # steps, raises, and its rollback fails too
+    assert not distiller.barrier()
+    assert _equal(_params(drafter), published)
+    assert _equal(_params(distiller.trained_drafter), published)  # not the half-stepped weights
+    assert len(distiller.optimizer.state) == 0 and distiller.stats.num_skipped_updates == 1
+    assert any("failed outside its rollback" in r.message for r in caplog.records)
+    distiller.observe(teacher.canvas(generator))  # and training goes on from there
+    assert distiller.barrier() and distiller.stats.num_updates == 2
+
+
+def test_a_failed_publish_leaves_all_old_weights_and_the_next_barrier_publishes(generator, caplog):
+    drafter = TinyDrafter()
+    serving = {n: torch.zeros_like(p) for n, p in drafter.trainable_named_parameters()}
+    publisher = WeightPublisher.from_name_map(serving, dict(drafter.trainable_named_parameters()))
+    distiller = Distiller(drafter, _config(lr=1e-2), SyncExecutor(), publisher)
+    for dst, (_, src) in zip(serving.values(), drafter.trainable_named_parameters()):
+        dst.copy_(src.detach())  # the serving copy starts at the drafter's weights
+    old = {n: t.clone() for n, t in serving.items()}
+    faulty = publisher.bindings[len(publisher.bindings) // 2]
+    write = faulty.write
+    calls = [0]
+
+    def failing_once(trained):
+        calls[0] += 1
+        if calls[0] == 1:
+            raise RuntimeError("injected publish fault")
+        write(trained)
+
+    faulty.write = failing_once
+    distiller.observe(TinyTeacher().canvas(generator))
+    assert not distiller.barrier()  # the first half of the bindings was written, then it failed
+    assert _equal(serving, old)  # ... and was written back: all old
+    assert distiller.stats.num_failed_publishes == 1 and distiller.weight_version == 0
+    assert any("publish failed" in r.message for r in caplog.records)
+    assert distiller.barrier()  # the next barrier publishes again: all new
+    assert _equal(serving, _params(distiller.trained_drafter)) and not _equal(serving, old)
+    assert distiller.weight_version == 1
+
+
+def test_a_barrier_never_publishes_while_an_update_is_running(generator):
+    drafter = TinyDrafter()
+    distiller = Distiller(drafter, _config(lr=1e-2, update_stride=3), ThreadExecutor())
+    release = threading.Event()
+    steps = [0]
+
+    @torch.no_grad()
+    def half_step_then_block(closure=None):
+        steps[0] += 1
+        distiller.train_params[0].fill_(float(steps[0]))
+        if steps[0] == 2:
+            release.wait(10)
+        for p in distiller.train_params[1:]:
+            p.fill_(float(steps[0]))
+
+    distiller.optimizer.step = half_step_then_block
+    serving = [p for _, p in drafter.trainable_named_parameters()]
+    for round_number in range(1, 7):  # updates submitted after rounds 3 and 6; every barrier skipped
+        distiller.observe(random_canvas(generator, round_index=round_number))
+    # observe() collected update 1 before submitting update 2, which gets half-way through its step.
+    deadline = time.monotonic() + 10
+    while steps[0] < 2 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert distiller.executor.pending and steps[0] == 2
+    before = [t.clone() for t in serving]
+    assert not distiller.update_due() and not distiller.barrier()  # round 7's barrier publishes nothing
+    assert all(torch.equal(a, b) for a, b in zip(serving, before))
+    release.set()
+    assert distiller.barrier(force=True)
+    assert {float(v) for t in serving for v in t.flatten().tolist()} == {2.0}  # all new
+    distiller.close()
