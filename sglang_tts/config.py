@@ -27,7 +27,8 @@ class TTSConfig:
     reg_lambda: float = 0.1
     steps_per_update: int = 1
     # "batch": one drafter, full-parameter updates, shared by the running batch and reset to base when
-    #   every request it adapted on has finished (batch size 1: the paper's per-request reset).
+    #   every request running at the last reset has finished (core/scope.py: generations; batch size 1:
+    #   the paper's per-request reset).
     # "request": each request adapts its own low-rank adapter (core/adapters.py), at any batch size.
     # "global": one drafter, never reset.
     scope: Scope = "batch"

@@ -23,6 +23,7 @@ Not thread-safe: call it from the scheduler thread only.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections import Counter, deque
@@ -207,6 +208,12 @@ class Controller:
             "last_reward": self._last_reward,
             "mean_reward": self._reward_sum / self._decisions if self._decisions else None,
         }
+
+    def keep_trace(self, records: int | None) -> None:
+        """Keep at most this many trace records in memory from now on (0: none; None: all); a
+        server writes each record to its trace file as it is made and needs only the latest."""
+        self.config = dataclasses.replace(self.config, max_trace=records)
+        self.trace = deque(self.trace, maxlen=records) if records != 0 else deque(maxlen=0)
 
     def trace_header(self) -> dict[str, Any]:
         return {

@@ -108,6 +108,13 @@ class SlotTable:
             self._free.append(slot)
         return slot
 
+    def retain(self, live: Iterable[str]) -> list[int]:
+        """Release every request that is not in `live` (finished, aborted or retracted), capped ones
+        included; returns the slots freed, whose adapters the caller resets."""
+        keep = set(live)
+        self._capped &= keep
+        return [slot for rid in [r for r in self.slot_of if r not in keep] if (slot := self.release(rid)) is not None]
+
     def slots(self, rids: Iterable[str]) -> torch.Tensor:
         """[len(rids)] int64 slot per request, NO_SLOT where it has none."""
         return torch.tensor([self.slot_of.get(r, NO_SLOT) for r in rids], dtype=torch.int64)

@@ -1,9 +1,14 @@
 """Adaptation scopes: who owns the adapted drafter, and when it goes back to its base weights.
 
 A scope is an explicit object the worker consults before each draft with the ids of the requests
-in the batch. `BatchScope` is the paper's per-request reset for one shared drafter: it adapts on the
-requests that contribute canvases and resets once none of them is running any more (at batch size
-1: at the end of each request; at batch size > 1 when every request it adapted on has left).
+in the batch. `BatchScope` is the paper's per-request reset for one shared drafter, made to hold
+under continuous batching, where requests overlap forever: it works in generations. A generation
+is the set of requests running when it begins; requests that arrive later belong to the next one.
+Once every request of the current generation has finished, the drafter resets to base (if it
+was adapted since the last reset) and the requests running then form the next generation. At
+batch size 1 that is a reset at the end of each request; under rolling traffic the drafter is
+reset at least once per lifetime of the longest request of a generation, however the requests
+overlap. A request that arrived after a generation began may see one reset while it runs.
 `GlobalScope` never resets. Scope "request" (per-request adapters, core/adapters.py) never resets
 the shared drafter either -- each request's own adapter is freed when the request leaves -- so it
 uses `GlobalScope` for the shared part.
@@ -36,18 +41,21 @@ class BatchScope(AdaptationScope):
     name = "batch"
 
     def __init__(self) -> None:
-        self.owners: set[str] = set()
+        # The current generation's requests that are still running (bounded by the batch size).
+        self.generation: set[str] = set()
+        self.adapted = False  # a canvas went to the update since the last reset
 
     def before_round(self, live_request_ids: Iterable[str]) -> bool:
-        if not self.owners:
+        live = set(live_request_ids)
+        self.generation &= live  # finished, aborted or retracted requests leave their generation
+        if self.generation:
             return False
-        if self.owners.isdisjoint(set(live_request_ids)):
-            self.owners.clear()
-            return True
-        return False
+        reset, self.adapted = self.adapted, False
+        self.generation = live  # the next generation: everything running now
+        return reset
 
     def contributed(self, request_ids: Iterable[str]) -> None:
-        self.owners.update(request_ids)
+        self.adapted = True
 
 
 def make_scope(name: str) -> AdaptationScope:

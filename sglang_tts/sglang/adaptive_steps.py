@@ -145,6 +145,8 @@ class ControlledSteps:
 
     def __init__(self, controller: Controller, set_stride, trace_path: str | None = None) -> None:
         self.controller = controller
+        # Served decisions go to the trace file as they are made: memory keeps only the latest.
+        controller.keep_trace(1 if trace_path else 0)
         self._set_stride = set_stride
         self._cuda_graph_bs: list[int] | None = None
         self._rounds: deque[dict[str, Any]] = deque(maxlen=8)

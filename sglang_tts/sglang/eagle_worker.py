@@ -136,6 +136,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
     def _forward_prefill_batch(self, batch, *args, **kwargs):
         result = super()._forward_prefill_batch(batch, *args, **kwargs)
         with self.tts.failures.absorb("prefill_anchor", [req.rid for req in batch.reqs]):
+            self.tts.begin_prefill(batch.reqs)  # forgets earlier prefills that finished without decoding
             self._remember_prefill_anchors(batch, result)  # a missing anchor costs one round's canvas
         return result
 

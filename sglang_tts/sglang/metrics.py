@@ -109,8 +109,17 @@ def update_request_meta_info_hook(original, manager, meta_info, *args, **kwargs)
 class SchedulerMetrics:
     """Prometheus metrics of one scheduler process (SGLang runs prometheus_client in multiprocess mode)."""
 
-    def __init__(self) -> None:
-        from prometheus_client import Counter, Gauge, Histogram
+    def __init__(self, registry=None) -> None:
+        from functools import partial
+
+        from prometheus_client import REGISTRY
+        from prometheus_client import Counter as _Counter
+        from prometheus_client import Gauge as _Gauge
+        from prometheus_client import Histogram as _Histogram
+
+        # `registry`: a private CollectorRegistry in unit tests; SGLang's process-wide one otherwise.
+        registry = REGISTRY if registry is None else registry
+        Counter, Gauge, Histogram = (partial(c, registry=registry) for c in (_Counter, _Gauge, _Histogram))
 
         self.rounds = Counter("sglang_tts:rounds_total", "Verify rounds seen by TTS")
         self.accepted_tokens = Counter("sglang_tts:accepted_tokens_total", "Tokens emitted by TTS rounds (bonus incl.)")
@@ -137,11 +146,25 @@ class SchedulerMetrics:
         self.adapted_requests = Gauge(
             "sglang_tts:adapted_requests", "Requests holding a per-request adapter", multiprocess_mode="mostrecent"
         )
+        self.failed_publishes = Counter(
+            "sglang_tts:failed_publishes_total", "Publishes that failed part-way (the old weights were written back)"
+        )
+        self.tracked_requests = Gauge(
+            "sglang_tts:tracked_requests",
+            "Per-request entries TTS holds (anchors, counters, adapter slots): bounded by the running requests",
+            multiprocess_mode="mostrecent",
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
         self.rounds.inc(len(accept_lengths))
         self.accepted_tokens.inc(sum(accept_lengths.values()))
+
+    def observe_publishing(self, resets: int, failed_publishes: int) -> None:
+        if resets:
+            self.resets.inc(resets)
+        if failed_publishes:
+            self.failed_publishes.inc(failed_publishes)
 
     def observe_update(self, applied: int, skipped: int, ms: float, stats) -> None:
         if applied:

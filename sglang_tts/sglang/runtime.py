@@ -11,7 +11,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -51,7 +52,6 @@ class RequestCounters:
     num_updates: int = 0
     num_skipped_updates: int = 0
     update_ms: float = 0.0
-    accept_lengths: list[int] = field(default_factory=list)
     fallback_checked: int = 0
     fallback_mismatches: int = 0
     digest_start: str | None = None
@@ -79,6 +79,10 @@ class TTSRuntime:
         self.anchor_features: dict[str, torch.Tensor] = {}
         self.context_starts: dict[str, int] = {}
         self.requests: dict[str, RequestCounters] = {}
+        # Requests prefilled since the last decode round (weakly: the Req is SGLang's): one that
+        # finishes without a decode round (max_new_tokens=1, a stop at its first token, an abort)
+        # is forgotten at the next prefill instead of waiting for a decode round that may not come.
+        self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
         self._last_verify_version = -1
@@ -112,20 +116,42 @@ class TTSRuntime:
     def before_draft(self, live_request_ids: list[str]) -> None:
         """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
         published before this round's draft reads the weights."""
-        for rid in [r for r in self.anchor_features if r not in live_request_ids]:
-            del self.anchor_features[rid]
-            self.context_starts.pop(rid, None)
-        for rid in [r for r in self.requests if r not in live_request_ids]:
-            del self.requests[rid]
+        live = set(live_request_ids)
+        for rid in [r for r in self.anchor_features if r not in live]:
+            self._forget(rid)
+        for rid in [r for r in self.requests if r not in live]:
+            self._forget(rid)
+        self._prefilled.clear()
         if self.slots is not None:
-            live = set(live_request_ids)
-            for rid in [r for r in self.slots.live() if r not in live]:
-                self._release_slot(rid)  # finished, aborted or retracted: the adapter goes
+            for slot in self.slots.retain(live):  # finished, aborted or retracted: the adapter goes
+                self.distiller.reset_parameters(self.drafter.bank.slot_parameter_names(slot))
         if self.scope.before_round(live_request_ids):
             self._absorbing(self.distiller.reset)
-            if self.metrics is not None:
-                self.metrics.resets.inc()
         self._absorbing(self.distiller.barrier)
+        if self.metrics is not None:
+            self.metrics.tracked_requests.set(self.num_tracked())
+
+    def begin_prefill(self, reqs) -> None:
+        """Before a prefill batch's anchors are remembered: forget the requests of earlier prefills
+        that have finished (or are gone) without reaching a decode round."""
+        for rid, ref in list(self._prefilled.items()):
+            req = ref()
+            if req is None or req.finished():
+                self._forget(rid)
+        for req in reqs:
+            self._prefilled[req.rid] = weakref.ref(req)
+
+    def num_tracked(self) -> int:
+        """Per-request entries held (anchors, counters, adapter slots and capped requests): bounded
+        by the running requests plus one prefill batch."""
+        slots = len(self.slots.slot_of) + len(self.slots._capped) if self.slots is not None else 0
+        return len(self.anchor_features) + len(self.requests) + len(self._prefilled) + slots
+
+    def _forget(self, rid: str) -> None:
+        self.anchor_features.pop(rid, None)
+        self.context_starts.pop(rid, None)
+        self.requests.pop(rid, None)
+        self._prefilled.pop(rid, None)
 
     def bind_extend_batch(self, reqs) -> None:
         """Per-request adapters, before a prefill (extend) batch's draft forward: map its requests'
@@ -152,11 +178,6 @@ class TTSRuntime:
         if self.metrics is not None:
             self.metrics.adapted_requests.set(len(self.slots.slot_of))
 
-    def _release_slot(self, rid: str) -> None:
-        slot = self.slots.release(rid)
-        if slot is not None:
-            self.distiller.reset_parameters(self.drafter.bank.slot_parameter_names(slot))
-
     def observe(
         self, canvas: Canvas | None, accept_lengths: dict[str, int], check_canvas: Canvas | None = None
     ) -> None:
@@ -166,10 +187,8 @@ class TTSRuntime:
             for c in (canvas, check_canvas):
                 if c is not None:
                     c.slots = self.slots.slots(c.request_ids).to(c.input_ids.device)
-        for rid, n in accept_lengths.items():
-            counters = self.requests.setdefault(rid, RequestCounters())
-            counters.rounds += 1
-            counters.accept_lengths.append(n)
+        for rid in accept_lengths:
+            self.requests.setdefault(rid, RequestCounters()).rounds += 1
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
         # Exact only if no new weights were published since SGLang drafted this round's first token
@@ -255,7 +274,14 @@ class TTSRuntime:
         requests whose canvas it trained on."""
         stats = self.distiller.stats
         before = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
-        out = fn()
+        resets, failed_publishes = stats.num_resets, stats.num_failed_publishes
+        try:
+            out = fn()
+        finally:  # a reset or a failed publish counts even when the call fails after it
+            if self.metrics is not None:
+                self.metrics.observe_publishing(
+                    stats.num_resets - resets, stats.num_failed_publishes - failed_publishes
+                )
         after = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
         if after != before and self._pending_rids:
             for rid in self._pending_rids:

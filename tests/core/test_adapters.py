@@ -196,6 +196,18 @@ def test_slot_table_caps_counts_and_reuses_slots():
         SlotTable(0)
 
 
+def test_slot_table_forgets_every_request_that_left_capped_ones_included():
+    table = SlotTable(2)
+    freed = []
+    for i in range(1000):  # three requests running, two slots: one is always capped
+        batch = [f"r{i}", f"r{i + 1}", f"r{i + 2}"]
+        freed += table.retain(batch)
+        for rid in batch:
+            table.acquire(rid)
+        assert len(table.slot_of) == 2 and len(table._capped) <= 1
+    assert table.num_capped > 300 and sorted(set(freed)) == [0, 1]
+
+
 def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator, spec):
     """Per-token gathered deltas on the published stacks == the training path's per-row deltas."""
     drafter = _adapted(spec, num_slots=3)
@@ -256,3 +268,26 @@ def test_an_adapted_lm_head_takes_the_unfused_loss_and_trains_its_own_delta(gene
     assert head_b and all(trained[n].abs().sum() > 0 for n in head_b)  # B starts at zero
     probe = _with_slots(random_canvas(generator, batch=1), [1])
     assert torch.equal(distiller.serving_drafter.canvas_logits(probe), drafter.base.canvas_logits(probe))
+
+
+@pytest.mark.parametrize("fault", ["nan", "raise", "inf_grad", "nan_weights"])
+def test_faulty_adapter_updates_roll_every_slot_back(generator, spec, fault):
+    """--tts-scope request: a failed update leaves every adapter and its optimiser state as before."""
+    drafter = _adapted(spec)
+    faults = {1: fault}
+    distiller = Distiller(drafter, _config(), executor=SyncExecutor(), fault_injector=faults.get)
+    teacher = TinyTeacher(seed=11)
+    distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
+    assert distiller.barrier()
+    trained = {n: p.detach().clone() for n, p in distiller.trained_drafter.trainable_named_parameters()}
+    serving = {n: p.detach().clone() for n, p in drafter.trainable_named_parameters()}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in distiller.optimizer.state.items()}
+    distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
+    assert not distiller.barrier() and distiller.stats.num_skipped_updates == 1
+    for name, p in distiller.trained_drafter.trainable_named_parameters():
+        assert torch.equal(p, trained[name]), name
+    for name, p in drafter.trainable_named_parameters():
+        assert torch.equal(p, serving[name]), name
+    assert {id(p) for p in distiller.optimizer.state} == set(state)
+    for p, s in distiller.optimizer.state.items():
+        assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())

@@ -60,7 +60,22 @@ def test_a_failing_controller_keeps_the_current_chain_length_and_is_counted():
     def broken_observe(obs):
         raise FloatingPointError("policy state went bad")
 
-    controller = SimpleNamespace(current=SimpleNamespace(num_steps=3, update_stride=2), observe=broken_observe)
+    controller = SimpleNamespace(
+        current=SimpleNamespace(num_steps=3, update_stride=2), observe=broken_observe, keep_trace=lambda n: None
+    )
     steps = ControlledSteps(controller, set_stride=lambda stride: None)
     assert steps.on_verify_complete([1, 2], batch_size=2) is None
     assert steps.failures.counts["controller"] == 1
+
+
+def test_a_served_trace_goes_to_its_file_and_memory_keeps_only_the_latest_record(tmp_path):
+    adapter, _ = _adapter(tmp_path, persistence=1)
+    for _ in range(50):
+        _round(adapter, [1], adapter.get_steps_for_batch(1))
+    assert len(adapter.controller.trace) == 1
+    assert len(read_trace(tmp_path / "trace.jsonl")[1]) == 50  # every record is in the file
+    policy = make_policy("round_robin", ACTIONS, len(feature_names(3)))
+    untraced = ControlledSteps(Controller(policy, ControllerConfig(persistence=1), 3), lambda stride: None)
+    for _ in range(5):
+        _round(untraced, [1], untraced.get_steps_for_batch(1))
+    assert len(untraced.controller.trace) == 0

@@ -1,0 +1,116 @@
+"""TTSRuntime without a server: per-request state stays bounded under rolling traffic, and the
+Prometheus counters see every reset, skipped update and failed publish."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+from sglang_tts.config import TTSConfig
+from sglang_tts.sglang.metrics import SchedulerMetrics
+from sglang_tts.sglang.runtime import FAULT_ENV, TTSRuntime
+
+
+def _core_testing():
+    """tests/core/core_testing.py (the tiny drafter and canvases the core tests use)."""
+    if "core_testing" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            "core_testing", Path(__file__).parents[1] / "core" / "core_testing.py"
+        )
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["core_testing"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["core_testing"]
+
+
+core = _core_testing()
+
+
+def _runtime(monkeypatch, faults: str = "", **config) -> tuple[TTSRuntime, CollectorRegistry]:
+    monkeypatch.setenv(FAULT_ENV, faults)
+    settings = {"update_stride": 1, "lr": 1e-3, "reg_lambda": 0.0, "log_interval": 0, "sync": True, **config}
+    runtime = TTSRuntime(core.TinyDrafter(), TTSConfig(**settings), None, "cpu")
+    registry = CollectorRegistry()
+    runtime.metrics = SchedulerMetrics(registry)
+    return runtime, registry
+
+
+def _round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> None:
+    runtime.before_draft(live)
+    canvas = core.random_canvas(generator, batch=len(live))
+    canvas.request_ids = list(live)
+    for rid in live:
+        runtime.remember_anchor(rid, torch.zeros(4))
+    runtime.observe(canvas, dict.fromkeys(live, 2))
+
+
+def test_rolling_traffic_resets_the_batch_drafter_and_counts_every_reset(monkeypatch):
+    # One request joins and one leaves every round: the batch is never empty.
+    runtime, registry = _runtime(monkeypatch, update_stride=25)
+    generator = torch.Generator().manual_seed(0)
+    lifetime = 4
+    live = deque(f"r{i}" for i in range(lifetime))
+    for round_index in range(2_000):
+        _round(runtime, generator, list(live))
+        assert runtime.num_tracked() <= 2 * lifetime
+        live.popleft()
+        live.append(f"r{round_index + lifetime}")
+    stats = runtime.distiller.stats
+    assert stats.num_resets == 2_000 // lifetime - 1  # once per generation (core/scope.py)
+    assert registry.get_sample_value("sglang_tts:resets_total") == stats.num_resets
+    assert registry.get_sample_value("sglang_tts:tracked_requests") <= 2 * lifetime
+
+
+class _Req:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.done = False
+
+    def finished(self) -> bool:
+        return self.done
+
+
+def test_prefill_only_and_aborted_requests_leave_no_state(monkeypatch):
+    runtime, _ = _runtime(monkeypatch)
+    sizes = []
+    for batch_index in range(500):  # 2,000 requests, 4 per prefill batch, never a decode round
+        reqs = [_Req(f"b{batch_index}-{i}") for i in range(4)]
+        runtime.begin_prefill(reqs)
+        for req in reqs:
+            runtime.remember_anchor(req.rid, torch.zeros(4))
+            runtime.counters(req.rid)  # e.g. a failure charged to the request at prefill
+        reqs[0].done = reqs[1].done = True  # max_new_tokens=1: finished at prefill
+        del reqs, req  # the others were aborted: SGLang dropped its Req objects (refcounting frees them)
+        sizes.append((len(runtime.anchor_features), len(runtime.requests), len(runtime._prefilled)))
+    assert sizes[-1] == sizes[199] and max(max(s) for s in sizes) <= 4
+
+
+@pytest.mark.parametrize("scope", ["batch", "global"])
+def test_skipped_updates_and_failed_publishes_reach_prometheus(monkeypatch, scope):
+    runtime, registry = _runtime(monkeypatch, faults="nan@1,inf_grad@2,nan_weights@3,raise@4", scope=scope)
+    generator = torch.Generator().manual_seed(0)
+    publish = runtime.distiller._write_serving
+    calls = [0]
+
+    def failing_every_third(tensors):
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            raise RuntimeError("injected publish fault")
+        publish(tensors)
+
+    runtime.distiller._write_serving = failing_every_third
+    for _ in range(8):
+        _round(runtime, generator, ["a", "b"])
+    runtime.before_draft(["a", "b"])
+    stats = runtime.distiller.stats
+    assert stats.num_skipped_updates == 4 and stats.num_failed_publishes >= 1
+    assert registry.get_sample_value("sglang_tts:skipped_updates_total") == 4
+    assert registry.get_sample_value("sglang_tts:updates_total") == stats.num_updates == 4
+    assert registry.get_sample_value("sglang_tts:failed_publishes_total") == stats.num_failed_publishes
+    assert runtime.counters("a").num_skipped_updates == 4
