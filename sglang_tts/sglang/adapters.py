@@ -14,6 +14,7 @@ request's bank row (0: no adapter), so the gathers only read tensors SGLang alre
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -78,16 +79,77 @@ def _decoder_layer_of(module_name: str) -> str | None:
     return None
 
 
+class TokenRows:
+    """Which bank row (0: no adapter) each token of a draft-model forward uses.
+
+    `row_of_pool[req_pool_idx]` is allocated once, for every row of SGLang's req_to_token pool (its
+    size is asked at first use: SGLang creates the pool after the workers), and only written in place
+    after that, so a captured CUDA graph keeps reading the same storage. Per
+    forward, `rows_for` reads no device value on the host: token counts come from the ForwardBatch's
+    host-side fields, and repeat_interleave gets its output size, so it needs no sync either."""
+
+    def __init__(self, pool_size: Callable[[], int], device) -> None:
+        self._pool_size = pool_size
+        self._device = device
+        self._table: torch.Tensor | None = None
+
+    @property
+    def row_of_pool(self) -> torch.Tensor:  # [pool_size] int64
+        if self._table is None:
+            self._table = torch.zeros(int(self._pool_size()), dtype=torch.int64, device=self._device)
+        return self._table
+
+    def set_batch(self, pool_indices: list[int], rows: list[int]) -> None:
+        """pool_indices[i] -> rows[i] for this batch's requests; every other request: row 0."""
+        size = self.row_of_pool.shape[0]
+        if pool_indices and max(pool_indices) >= size:
+            raise IndexError(f"req_pool_idx {max(pool_indices)} outside SGLang's pool of {size}")
+        self.row_of_pool.zero_()
+        if pool_indices:
+            index = torch.tensor(pool_indices, dtype=torch.int64).to(self.row_of_pool.device, non_blocking=True)
+            value = torch.tensor(rows, dtype=torch.int64).to(self.row_of_pool.device, non_blocking=True)
+            self.row_of_pool.index_copy_(0, index, value)
+
+    def rows_for(self, forward_batch, num_tokens: int) -> torch.Tensor | None:
+        """[num_tokens] bank rows of a forward laid out request by request: per-request lengths
+        (`extend_seq_lens`: prefill, draft-extend) or a fixed number per request (draft steps,
+        verify, DFlash blocks); None when the layout is not one of these (the base drafter)."""
+        req_rows = self.row_of_pool[forward_batch.req_pool_indices.long()]  # [bs]
+        bs = req_rows.shape[0]
+        if bs == 0:
+            return None
+        lens = getattr(forward_batch, "extend_seq_lens", None)  # [bs] on the device
+        if forward_batch.forward_mode.is_extend() and lens is not None:
+            total = _extend_total(forward_batch, lens)
+            if total == num_tokens:
+                return torch.repeat_interleave(req_rows, lens.long(), output_size=num_tokens)
+        if num_tokens % bs:
+            return None
+        return req_rows.repeat_interleave(num_tokens // bs)
+
+
+def _extend_total(forward_batch, lens: torch.Tensor) -> int | None:
+    """Tokens of an extend forward, from the ForwardBatch's host-side fields; on CPU (no device to
+    wait for) from the lengths themselves when SGLang filled neither."""
+    lens_cpu = getattr(forward_batch, "extend_seq_lens_cpu", None)
+    if lens_cpu is not None:
+        return int(sum(lens_cpu))
+    total = getattr(forward_batch, "extend_num_tokens", None)
+    if total is not None:
+        return int(total)
+    return int(lens.sum()) if lens.device.type == "cpu" else None
+
+
 class ServingAdapters:
     """The published adapters and the hooks that apply them in SGLang's draft model."""
 
-    def __init__(self, draft_model: nn.Module, adapted: AdaptedDrafter, device, pool_size: int) -> None:
+    def __init__(self, draft_model: nn.Module, adapted: AdaptedDrafter, device, pool_size: Callable[[], int]) -> None:
         dtype = next(draft_model.parameters()).dtype
         self.bank = ServingBank(adapted.bank, device=device, dtype=dtype)
         trained = dict(adapted.trainable_named_parameters())
         self.publisher = WeightPublisher.from_name_map(self.bank.destinations(adapted.bank), trained)
-        # bank row per req_pool_idx (0: no adapter); grows if SGLang's pool is larger than pool_size.
-        self.row_of_pool = torch.zeros(pool_size + 1, dtype=torch.int64, device=device)
+        # bank row per req_pool_idx (0: no adapter), one entry per row of SGLang's req_to_token pool
+        self.token_map = TokenRows(pool_size, device)
         self._token_rows: torch.Tensor | None = None
         self._active = False
         self._warned = False
@@ -125,17 +187,14 @@ class ServingAdapters:
 
     def set_batch(self, reqs, slots: SlotTable) -> None:
         """Bank rows of this batch's requests (call before its draft model forwards)."""
-        self.row_of_pool.zero_()
         pairs = [(_pool_index(r), slots.slot_of.get(r.rid, -1) + 1) for r in reqs]
         pool = [p for p, _ in pairs if p is not None]
         rows = [row for p, row in pairs if p is not None]
-        if pool and max(pool) >= self.row_of_pool.shape[0]:  # the pool grew past our estimate
-            self.row_of_pool = torch.zeros(2 * max(pool) + 2, dtype=torch.int64, device=self.row_of_pool.device)
-        if pool:
-            self.row_of_pool[torch.tensor(pool, device=self.row_of_pool.device)] = torch.tensor(
-                rows, device=self.row_of_pool.device
-            )
+        self.token_map.set_batch(pool, rows)
         self._active = any(row > 0 for row in rows)
+        if self._active and not self._logged:
+            logger.info("sglang-tts: per-request adapters applied in SGLang's draft model (first use)")
+            self._logged = True
 
     # --- hooks ---------------------------------------------------------------------------------------
 
@@ -153,25 +212,11 @@ class ServingAdapters:
         first = next((v for v in values if isinstance(v, torch.Tensor)), None)  # positions [N]
         if forward_batch is None or first is None:
             return
-        self._token_rows = self._rows_per_token(forward_batch, int(first.shape[0]))
-        if not self._logged and self._token_rows is not None and bool((self._token_rows > 0).any()):
-            logger.info("sglang-tts: per-request adapters applied in SGLang's draft model (first use)")
-            self._logged = True
-
-    def _rows_per_token(self, forward_batch, num_tokens: int) -> torch.Tensor | None:
-        req_rows = self.row_of_pool[forward_batch.req_pool_indices.long()]
-        bs = int(req_rows.shape[0])
-        if bs == 0:
-            return None
-        lens = getattr(forward_batch, "extend_seq_lens", None)
-        if forward_batch.forward_mode.is_extend() and lens is not None and int(lens.sum()) == num_tokens:
-            return torch.repeat_interleave(req_rows, lens.long())
-        if num_tokens % bs:
-            if not self._warned:
-                logger.warning("sglang-tts: %d draft tokens do not split over %d requests; no adapters", num_tokens, bs)
-                self._warned = True
-            return None  # the base drafter for this forward: slower drafts, never a failed batch
-        return req_rows.repeat_interleave(num_tokens // bs)
+        num_tokens, bs = int(first.shape[0]), int(forward_batch.req_pool_indices.shape[0])
+        self._token_rows = self.token_map.rows_for(forward_batch, num_tokens)
+        if self._token_rows is None and bs > 0 and not self._warned:  # base drafter: slower, never failed
+            logger.warning("sglang-tts: %d draft tokens do not map onto %d requests; no adapters", num_tokens, bs)
+            self._warned = True
 
     def _delta_hook(self, parts: list[tuple[str, int, int]]):
         def add_delta(inputs, output):

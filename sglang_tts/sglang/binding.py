@@ -4,6 +4,8 @@ the trained drafter's, through which updates are published in place."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from sglang_tts.core.publish import WeightPublisher, stacked_name_map
@@ -49,9 +51,11 @@ def draft_kv_reader(req_to_token, pool, draft_layers, pool_indices: list[int], e
     return read
 
 
-def make_runtime(drafter, config, draft_model, device, pool_size: int):
+def make_runtime(drafter, config, draft_model, device, pool_size: Callable[[], int]):
     """The TTSRuntime of a worker: full-parameter updates published into SGLang's draft model
-    (scopes batch / global), or per-request adapters hooked into it (scope request)."""
+    (scopes batch / global), or per-request adapters hooked into it (scope request).
+    pool_size: rows of SGLang's req_to_token pool (every req_pool_idx a request can hold), asked
+    when the first batch is mapped (SGLang creates the pool after the workers)."""
     from dataclasses import replace
 
     from sglang_tts.config import FULL_RANK

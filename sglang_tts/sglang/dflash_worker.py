@@ -92,7 +92,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
                 config,
                 self.draft_model,
                 self.device,
-                getattr(server_args, "max_running_requests", None) or 256,
+                lambda: self.model_runner.req_to_token_pool.req_to_token.shape[0],
             )
         self.tts.metrics = metrics.scheduler_metrics()
         self._draft_layers = [layer.self_attn.attn for layer in self.draft_model.layers]

@@ -45,7 +45,11 @@ class TTSEagleWorker(EAGLEWorkerV2):
             )
             drafter.to(self.device)
             self.tts = make_runtime(
-                drafter, config, draft_model, self.device, getattr(server_args, "max_running_requests", None) or 256
+                drafter,
+                config,
+                draft_model,
+                self.device,
+                lambda: self.draft_worker.draft_runner.req_to_token_pool.req_to_token.shape[0],
             )
         self.tts.metrics = metrics.scheduler_metrics()
         self._draft_layers = [
