@@ -9,6 +9,8 @@ setup(
     # One top-level name. The update kernels live in sglang_tts.kernels, not a top-level triton_kernels:
     # that is OpenAI's package, which SGLang imports for MXFP4/FP8 models (tests/test_distribution.py).
     packages=find_packages(include=["sglang_tts", "sglang_tts.*"]),
+    # The workloads' committed prompt files (sglang_tts/data/workloads.py, long_context.py).
+    package_data={"sglang_tts.data": ["files/*.json", "files/*.jsonl"]},
     python_requires=">=3.10",
     # sglang and torch are installed by scripts/setup_env.sh (CPU build of torch, sglang --no-deps);
     # listing them here would let pip pull CUDA wheels.

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt, format_chat, load_prompts
+from sglang_tts.data.split import interleave
 
 
 @dataclass(frozen=True)
@@ -43,16 +44,9 @@ class BenchPrompt:
         )
 
 
-def interleave(groups: Sequence[Sequence[Any]]) -> list[Any]:
-    """Round-robin over groups (a1, b1, a2, b2, ...): every round of the schedule then mixes datasets."""
-    out: list[Any] = []
-    for i in range(max((len(g) for g in groups), default=0)):
-        out.extend(group[i] for group in groups if i < len(group))
-    return out
-
-
 def sample_prompts(datasets: Sequence[str], num_prompts: int | None, seed: int) -> list[Prompt]:
-    """``num_prompts`` seeded prompts from each dataset (all when None), datasets interleaved."""
+    """``num_prompts`` seeded prompts from each dataset (all when None), datasets interleaved: every round of
+    the schedule then mixes datasets."""
     return interleave([load_prompts(source, num_prompts, seed) for source in datasets])
 
 

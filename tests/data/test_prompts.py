@@ -140,3 +140,15 @@ def test_format_chat() -> None:
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Why?"},
     ]
+
+
+def test_self_contained_prompts_get_no_instruction(tmp_path: Path) -> None:
+    path = tmp_path / "own.jsonl"
+    path.write_text('{"prompt": "Write a long essay.", "self_contained": true}\n{"prompt": "2+2?"}\n')
+    essay, sum_ = load_prompts(str(path))
+    assert essay.self_contained and not sum_.self_contained
+    assert format_chat(essay) == [{"role": "user", "content": "Write a long essay."}]
+    assert format_chat(sum_)[0]["content"].endswith(DEFAULT_INSTRUCTION)
+    path.write_text('{"prompt": "x", "self_contained": "yes"}\n')
+    with pytest.raises(PromptSourceError, match="self_contained must be true or false"):
+        load_prompts(str(path))
