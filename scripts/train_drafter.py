@@ -30,6 +30,8 @@ import torch  # noqa: E402
 
 from sglang_tts.training.pipeline import KINDS, TrainRequest, tiny_request, train_drafters  # noqa: E402
 
+WORKLOADS_TRAINING_SOURCE = "workloads:held-in"
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -41,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tiny", action="store_true", help="tiny configuration for tests and smoke runs (flags below still apply)")
     data = parser.add_argument_group("data")
     data.add_argument("--source", default=None, help="prompt source: math500 (default), aime2024, ..., or a .jsonl")
+    data.add_argument(
+        "--workloads",
+        action="store_true",
+        help="prompts: the held-in parts of the reasoning, long-gen and long-context workloads, evenly mixed "
+        "(= --source workloads:held-in; docs/workloads.md); long-context prompts need --max-prompt-len 6600",
+    )
     data.add_argument("--num-prompts", type=int, default=None, help="prompts to answer (default 256)")
     data.add_argument("--max-len", type=int, default=None, help="max new tokens per answer (default 256)")
     data.add_argument("--max-prompt-len", type=int, default=None, help="skip longer prompts (default 256 tokens)")
@@ -77,6 +85,8 @@ def _set(obj, **values):
 
 
 def request_from_args(args: argparse.Namespace) -> TrainRequest:
+    if args.workloads and args.source is not None:
+        raise SystemExit("train_drafter.py: --workloads and --source both choose the prompts; give one")
     request = tiny_request() if args.tiny else TrainRequest()
     kinds = KINDS if args.kind == "both" else (args.kind,)
     request = _set(
@@ -96,7 +106,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
     request = replace(request, resume=args.resume, progress=not args.quiet)
     request.data = _set(
         request.data,
-        source=args.source,
+        source=WORKLOADS_TRAINING_SOURCE if args.workloads else args.source,
         num_prompts=args.num_prompts,
         max_new_tokens=args.max_len,
         max_prompt_tokens=args.max_prompt_len,

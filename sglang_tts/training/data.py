@@ -26,6 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt, format_chat, load_prompts
+from sglang_tts.data.split import balanced_sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -39,7 +40,7 @@ DATA_FORMAT = 1  # bump when the cached layout changes
 class DataConfig:
     """What the generated training set is made of."""
 
-    source: str = "math500"  # builtin set name, a .jsonl path, or hf:<name>
+    source: str = "math500"  # builtin set name, a workload part (workloads:held-in), a .jsonl path, or hf:<name>
     num_prompts: int = 256
     max_new_tokens: int = 256  # answer length cap: the sets are deliberately short
     max_prompt_tokens: int = 256  # longer prompts are skipped
@@ -121,8 +122,14 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
 
 
 def prompt_pool(cfg: DataConfig) -> list[Prompt]:
-    """The seeded sample of prompts the target answers (all of the source if it has fewer)."""
-    return load_prompts(cfg.source, min(cfg.num_prompts, len(load_prompts(cfg.source))), seed=cfg.seed)
+    """The seeded sample of prompts the target answers (all of the source if it has fewer). A source that mixes
+    datasets (``workloads:held-in``) is sampled evenly over them (:func:`balanced_sample`), so a small workload
+    is not crowded out by a large one."""
+    prompts = load_prompts(cfg.source)
+    n = min(cfg.num_prompts, len(prompts))
+    if len({p.dataset for p in prompts}) > 1:
+        return balanced_sample(prompts, n, cfg.seed)
+    return load_prompts(cfg.source, n, seed=cfg.seed)
 
 
 def write_prompt_split(path: Path, pool: list[Prompt], keys: list[str]) -> Path:
@@ -130,7 +137,11 @@ def write_prompt_split(path: Path, pool: list[Prompt], keys: list[str]) -> Path:
     file the benchmark reads, so acceptance can be measured on exactly the prompts a drafter was trained on
     (held in) or not."""
     by_id = {p.id: p for p in pool}
-    lines = [json.dumps({"id": k, "question": by_id[k].question, "answer": by_id[k].answer}) for k in keys]
+    rows = [{"id": k, "question": by_id[k].question, "answer": by_id[k].answer} for k in keys]
+    for row in rows:
+        if by_id[row["id"]].self_contained:
+            row["self_contained"] = True  # the benchmark then adds no instruction either
+    lines = [json.dumps(row) for row in rows]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
     return path

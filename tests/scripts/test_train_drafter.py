@@ -98,3 +98,17 @@ def test_trained_tiny_drafter_serves_in_stock_sglang(kind, trained, loopy_llama,
     # Drafts were accepted: far above the bonus token alone (an untrained drafter: ~1; the most a
     # round can give here: 4; measured about 3.4 to 4).
     assert sum(accept) / len(accept) > 2.5, accept
+
+
+def test_workloads_flag_trains_on_the_held_in_mix():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_drafter", REPO / "scripts" / "train_drafter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    parser = script.build_parser()
+    request = script.request_from_args(parser.parse_args(["--workloads", "--max-prompt-len", "6600"]))
+    assert request.data.source == "workloads:held-in" and request.data.max_prompt_tokens == 6600
+    assert script.request_from_args(parser.parse_args([])).data.source == "math500"
+    with pytest.raises(SystemExit, match="give one"):
+        script.request_from_args(parser.parse_args(["--workloads", "--source", "math500"]))

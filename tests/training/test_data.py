@@ -9,7 +9,13 @@ import torch
 from sglang_tts.data.prompts import load_prompts
 from sglang_tts.testing.reference import hf_greedy
 from sglang_tts.training import data as data_module
-from sglang_tts.training.data import build_sequence_set, prompt_pool, prompt_token_ids, write_prompt_split
+from sglang_tts.training.data import (
+    DataConfig,
+    build_sequence_set,
+    prompt_pool,
+    prompt_token_ids,
+    write_prompt_split,
+)
 
 
 def test_sequences_are_prompt_plus_greedy_answer(sequences, tiny_target, data_config):
@@ -88,3 +94,21 @@ def test_prompt_splits_are_written_as_benchmark_prompt_files(sequences, data_con
     assert held_in == sequences.subset(train).keys and held_out == sequences.subset(held).keys
     assert not set(held_in) & set(held_out) and len(held_in) + len(held_out) == len(sequences)
     assert all(p.question == pool[p.id].question for p in written["held_in"] + written["held_out"])
+
+
+def test_the_workloads_mix_is_sampled_evenly_and_keeps_self_contained_prompts(tmp_path):
+    cfg = replace(DataConfig(), source="workloads:held-in", num_prompts=60, seed=0)
+    pool = prompt_pool(cfg)
+    counts = {name: sum(p.dataset == name for p in pool) for name in ("reasoning", "long-gen", "long-context")}
+    assert counts == {"reasoning": 20, "long-gen": 20, "long-context": 20}
+    held_out = {p.id for p in load_prompts("workloads:held-out")}
+    assert not held_out & {p.id for p in pool}  # never a benchmark prompt
+    assert pool == prompt_pool(cfg)
+    # The benchmark's prompt file of the split keeps what format_chat needs.
+    path = write_prompt_split(tmp_path / "held_in.jsonl", pool, [p.id for p in pool])
+    again = {p.id: p for p in load_prompts(str(path))}
+    assert all(again[p.id].self_contained == p.self_contained for p in pool)
+    assert sum(p.self_contained for p in pool) == 40
+    # One dataset: the plain seeded sample, as before.
+    single = replace(cfg, source="math500", num_prompts=5)
+    assert prompt_pool(single) == load_prompts("math500", 5, seed=0)
