@@ -51,8 +51,10 @@ CPU_DEFAULT_ARGS = (
     "float32",
     "--max-total-tokens",
     "8192",
+    # An upper bound (--max-total-tokens caps the KV pool); SGLang counts the CPU layer's packed
+    # linear weights as weights, which puts SmolLM2-135M just over 0.05 of this machine's memory.
     "--mem-fraction-static",
-    "0.05",
+    "0.1",
     "--skip-server-warmup",
     # The scheduler busy-polls a core when idle otherwise: on a 2-core machine that halves everything else.
     "--sleep-on-idle",

@@ -60,3 +60,5 @@ def test_missing_kernels_activate_cpu_layer(tmp_path):
     assert "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_decode_backend" in result["hooks"]
     assert "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend" in result["hooks"]
     assert "sglang.srt.speculative.eagle_utils._verify_uses_greedy" in result["hooks"]
+    assert "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply" in result["hooks"]
+    assert "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head" in result["hooks"]

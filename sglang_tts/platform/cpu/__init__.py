@@ -11,7 +11,11 @@ What it does when active:
    TARGET_VERIFY and give DraftBackendFactory torch-native multi-step draft / draft-extend backends;
 4. routes sampling requests' verify to a PyTorch target-only tree sampler (stock SGLang commits
    the target's argmax on CPU even when the request samples);
-5. lets stock DFLASH run on CPU (sglang_tts.platform.cpu.dflash).
+5. lets stock DFLASH run on CPU (sglang_tts.platform.cpu.dflash);
+6. runs the target model's linear layers and LM head through oneDNN weights packed once at load
+   (sglang_tts.platform.cpu.linear: a few-row product, a verify, then costs about what one row does);
+7. with $SGLANG_TTS_CPU_ROUND_TIMING set, logs the wall time of every decode, draft, verify and
+   draft-extend phase (sglang_tts.platform.cpu.round_timing, for scripts/bench_cpu_round.py).
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ def _add_shim_to_path() -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_tts.platform.cpu import attention, dflash, spec_sampling
+    from sglang_tts.platform.cpu import attention, dflash, linear, round_timing, spec_sampling
 
     HookRegistry.register(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
@@ -85,6 +89,8 @@ def _register_hooks() -> None:
         HookType.AROUND,
     )
     dflash.register_hooks(HookRegistry, HookType)
+    linear.register_hooks(HookRegistry, HookType)
+    round_timing.register_hooks(HookRegistry, HookType)
 
 
 def install() -> bool:

@@ -1,0 +1,219 @@
+"""The target model's linear layers and LM head on CPU, through oneDNN weights packed once at load.
+
+Why: with a few rows (a verify of 4-8 draft tokens, a draft-extend) `F.linear` costs 2-3x the
+one-row product on this CPU, because the BLAS repacks the whole weight for every small GEMM; a
+verify then costs two decode steps although it reads the weights once, like a decode step does.
+A oneDNN linear whose weight was reordered once at load (`torch.ops.mkldnn._reorder_linear_weight`)
+does not repack. Measured per (weight shape, rows) by scripts/bench_cpu_linear.py
+(docs/results/cpu-linear/report.md): from 4 rows on the packed product is the fastest (Qwen2.5-0.5B's
+LM head, 4 rows: 22.6 ms packed, 57.7 ms `F.linear`; one row 18.2 ms), while with 1-3 rows `F.linear`
+(the BLAS's small-M kernel, no repacking) is faster by 10-60%. Hence one rule: fewer than
+`PACKED_MIN_ROWS` rows -> `F.linear` on the dense weight, else the packed weight.
+
+Which weights: float32 `UnquantizedLinearMethod` layers and the LM head of every model SGLang loads
+(target and drafter). A packed copy must follow its dense weight, so every in-place write repacks:
+TTS publishing trained drafter weights (`ParamBinding.write`, which writes through `.data` and so
+bumps no version counter a cache could check) and SGLang's online weight updates (from disk,
+tensors, IPC, distributed). Outputs agree with `F.linear` to float rounding (another summation
+order), not bit for bit.
+
+Cost: one packed copy per weight (the linear weights are held twice in memory: Qwen2.5-0.5B +2.0 GB,
+SmolLM2-135M +0.4 GB), and a repack of the published weights per TTS publish (Qwen2.5-0.5B's
+random EAGLE-3 drafter: about 0.2 GB). `SGLANG_TTS_CPU_PACKED_LINEAR=0` turns the packing off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+logger = logging.getLogger(__name__)
+
+ENABLE_ENV = "SGLANG_TTS_CPU_PACKED_LINEAR"
+PACKED_MIN_ROWS = 4  # below this, F.linear is faster (see the module docstring)
+PACKED_ATTR = "_sglang_tts_packed_weight"
+
+# Packed modules by the data_ptr of their dense weight: what a publish into that tensor must repack.
+_PACKED_BY_WEIGHT: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+
+
+def packing_enabled() -> bool:
+    return os.environ.get(ENABLE_ENV, "1") != "0" and torch.backends.mkldnn.is_available()
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed copy of a [out, in] float32 CPU weight, or None where packing does not apply."""
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def linear(
+    x: torch.Tensor,  # [..., in]
+    weight: torch.Tensor,  # [out, in], dense
+    packed: torch.Tensor | None,  # pack_weight(weight), or None
+    bias: torch.Tensor | None = None,  # [out]
+) -> torch.Tensor:  # [..., out]
+    """`F.linear(x, weight, bias)`, through the packed weight when it is given and x has enough rows."""
+    rows = x.numel() // max(x.shape[-1], 1)  # shapes only: no host sync
+    if packed is None or rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.requires_grad:
+        return F.linear(x, weight, bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@dataclass
+class PackReport:
+    layers: int = 0
+    lm_heads: int = 0
+    bytes: int = 0
+
+    def add(self, packed: torch.Tensor, lm_head: bool) -> None:
+        self.lm_heads += int(lm_head)
+        self.layers += int(not lm_head)
+        self.bytes += packed.numel() * packed.element_size()
+
+
+def _lm_head_is_plain(lm_head: torch.nn.Module) -> bool:
+    """Whether SGLang computes this head's logits with a plain matmul of its weight (no quant, no LoRA)."""
+    from sglang.srt.layers.logits_processor import should_apply_lm_head_quant_method
+
+    if hasattr(lm_head, "set_lora") and hasattr(lm_head, "apply_lora"):
+        return False
+    return not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
+
+
+def _pack_module(module: torch.nn.Module) -> torch.Tensor | None:
+    with torch.no_grad():
+        packed = pack_weight(module.weight)
+    setattr(module, PACKED_ATTR, packed)
+    if packed is not None:
+        _PACKED_BY_WEIGHT[module.weight.data_ptr()] = module
+    return packed
+
+
+def pack_model(model: torch.nn.Module, repack: bool = True) -> PackReport:
+    """Attach packed weights to `model`'s unquantized linear layers and its LM head.
+
+    With repack=False a module that already has one keeps it (a drafter sharing the target's head)."""
+    from sglang.srt.layers.linear import LinearBase
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    modules = [
+        (m, False)
+        for m in model.modules()
+        if isinstance(m, LinearBase) and isinstance(m.quant_method, UnquantizedLinearMethod)
+    ]
+    lm_head = getattr(model, "lm_head", None)
+    if isinstance(lm_head, torch.nn.Module) and isinstance(getattr(lm_head, "weight", None), torch.Tensor):
+        if _lm_head_is_plain(lm_head):
+            modules.append((lm_head, True))
+    report = PackReport()
+    for module, is_head in modules:
+        packed = getattr(module, PACKED_ATTR, None)
+        if repack or packed is None:
+            packed = _pack_module(module)
+        if packed is not None:
+            report.add(packed, lm_head=is_head)
+    return report
+
+
+def repack_tensor(weight: torch.Tensor) -> bool:
+    """Repack the module whose dense weight is `weight` (just written in place); False if none is packed."""
+    module = _PACKED_BY_WEIGHT.get(weight.data_ptr())
+    if module is None or getattr(module, PACKED_ATTR, None) is None or module.weight.data_ptr() != weight.data_ptr():
+        return False
+    _pack_module(module)
+    return True
+
+
+def _is_packed(model: torch.nn.Module) -> bool:
+    return any(getattr(module, PACKED_ATTR, None) is not None for module in model.modules())
+
+
+# ---------------------------------------------------------------------------------------------------------
+# HookRegistry AROUND hooks
+# ---------------------------------------------------------------------------------------------------------
+
+
+def linear_apply_hook(original, method, layer, x, bias=None, *args, **kwargs):
+    """AROUND hook on UnquantizedLinearMethod.apply: the packed weight where the layer has one."""
+    packed = getattr(layer, PACKED_ATTR, None)
+    if packed is None or args or kwargs:
+        return original(method, layer, x, bias, *args, **kwargs)
+    return linear(x, layer.weight, packed, bias)
+
+
+def compute_lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *args, **kwargs):
+    """AROUND hook on LogitsProcessor._compute_lm_head: the packed head where SGLang would take a plain
+    `hidden_states @ weight.T` (float32, no fp32-head or RL on-policy option; its `out` buffer is
+    CUDA-only and ignored there too)."""
+    packed = getattr(lm_head, PACKED_ATTR, None)
+    if (
+        packed is None
+        or args
+        or processor.use_fp32_lm_head
+        or processor.rl_on_policy_target is not None
+        or hidden_states.dtype != torch.float32
+    ):
+        return original(processor, hidden_states, lm_head, embedding_bias, *args, **kwargs)
+    return linear(hidden_states, lm_head.weight, packed)
+
+
+def load_model_hook(original, runner, *args, **kwargs):
+    """AROUND hook on ModelRunner.load_model: pack the model's weights once loaded."""
+    result = original(runner, *args, **kwargs)
+    if runner.device != "cpu" or not packing_enabled():
+        return result
+    report = pack_model(runner.model, repack=False)
+    logger.info(
+        "sglang-tts: packed %d linear layers and %d LM head(s) of the %s for oneDNN (%.2f GB)",
+        report.layers,
+        report.lm_heads,
+        "drafter" if runner.is_draft_worker else "target",
+        report.bytes / 2**30,
+    )
+    return result
+
+
+def publish_write_hook(original, binding, *args, **kwargs):
+    """AROUND hook on sglang_tts.core.publish.ParamBinding.write: repack the weight TTS just published."""
+    result = original(binding, *args, **kwargs)
+    repack_tensor(binding.dst)
+    return result
+
+
+def weight_update_hook(original, updater, *args, **kwargs):
+    """AROUND hook on SGLang's WeightUpdater methods: repack a packed model after its weights changed."""
+    result = original(updater, *args, **kwargs)
+    model = updater.get_model()
+    if _is_packed(model):
+        pack_model(model)
+    return result
+
+
+_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater.WeightUpdater"
+HOOKS = {
+    "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply": linear_apply_hook,
+    "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head": compute_lm_head_hook,
+    "sglang.srt.model_executor.model_runner.ModelRunner.load_model": load_model_hook,
+    "sglang_tts.core.publish.ParamBinding.write": publish_write_hook,
+    **{
+        f"{_UPDATER}.{name}": weight_update_hook
+        for name in (
+            "update_weights_from_disk",
+            "update_weights_from_tensor",
+            "update_weights_from_ipc",
+            "load_weights_from_distributed",
+        )
+    },
+}
+
+
+def register_hooks(registry, hook_type) -> None:
+    for target, hook in HOOKS.items():
+        registry.register(target, hook, hook_type.AROUND)

@@ -1,0 +1,214 @@
+"""The CPU linear path: packed oneDNN weights agree with F.linear for every row count serving makes,
+the dispatch really switches at PACKED_MIN_ROWS, and the SGLang hooks pack, use and repack weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang_tts.platform.cpu import linear as cpu_linear
+from sglang_tts.platform.cpu.linear import PACKED_ATTR, PACKED_MIN_ROWS, pack_weight
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+# Decode (1), 2, verify of chains 2..7 (3..8), batched verifies and prefill chunks.
+ROWS = [1, 2, 3, 4, 7, 8, 16, 33, 256]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, k: int) -> None:
+    # Another summation order over k products: float32 rounding grows like sqrt(k) * eps * |terms|.
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * k**0.5 * 4)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(1000, 64), (96, 320)])
+def test_packed_linear_matches_f_linear(rows: int, shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    out_f, in_f = shape
+    weight = torch.randn(out_f, in_f, generator=gen) * 0.05
+    bias = torch.randn(out_f, generator=gen)
+    x = torch.randn(rows, in_f, generator=gen)
+    packed = pack_weight(weight)
+    with torch.inference_mode():
+        for b in (None, bias):
+            _close(cpu_linear.linear(x, weight, packed, b), F.linear(x, weight, b), in_f)
+        # Leading batch dims and a non-contiguous input (a column slice) are flattened the same way.
+        x3 = x.reshape(1, rows, in_f)
+        _close(cpu_linear.linear(x3, weight, packed, bias), F.linear(x3, weight, bias), in_f)
+        wide = torch.randn(rows, 2 * in_f, generator=gen)[:, ::2]
+        _close(cpu_linear.linear(wide, weight, packed), F.linear(wide, weight), in_f)
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_dispatch_switches_to_the_packed_weight_at_min_rows(rows: int) -> None:
+    """A packed copy of 2*W tells which weight was used: W below PACKED_MIN_ROWS (exactly F.linear), the
+    packed one from there on."""
+    weight = torch.randn(48, 32)
+    x = torch.randn(rows, 32)
+    out = cpu_linear.linear(x, weight, pack_weight(2 * weight))
+    if rows < PACKED_MIN_ROWS:
+        assert torch.equal(out, F.linear(x, weight))
+    else:
+        _close(out, 2 * F.linear(x, weight), 32)
+
+
+def test_unpackable_inputs_take_f_linear() -> None:
+    weight = torch.randn(16, 8)
+    assert pack_weight(weight.to(torch.bfloat16)) is None  # bf16 is 3x slower than fp32 on these CPUs anyway
+    assert pack_weight(torch.randn(16)) is None
+    packed = pack_weight(2 * weight)
+    x = torch.randn(5, 8, requires_grad=True)  # autograd: the packed op has no backward
+    out = cpu_linear.linear(x, weight, packed)
+    out.sum().backward()
+    assert torch.equal(out, F.linear(x, weight)) and x.grad is not None
+    assert torch.equal(
+        cpu_linear.linear(x.detach().double(), weight.double(), packed), F.linear(x.double(), weight.double())
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The SGLang side: packing a model, the apply / LM-head hooks, repacking after a weight update
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def sglang_cpu():
+    from sglang_tts.platform import cpu
+
+    cpu.install()  # SGLang's layers import sgl_kernel ops when the CPU engine is on
+
+
+def _tiny_model():
+    from sglang.srt.layers.linear import ReplicatedLinear
+
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = ReplicatedLinear(32, 24, bias=True)
+            self.lm_head = torch.nn.Embedding(80, 32)  # a head SGLang reads by weight, like VocabParallelEmbedding
+
+    model = Tiny()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.1)
+    return model
+
+
+def test_pack_model_and_hooks_use_the_packed_weights(sglang_cpu) -> None:
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    model = _tiny_model()
+    report = cpu_linear.pack_model(model)
+    assert (report.layers, report.lm_heads) == (1, 1)
+    assert report.bytes == (24 * 32 + 80 * 32) * 4
+    layer = model.proj
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        hooked = cpu_linear.linear_apply_hook(UnquantizedLinearMethod.apply, layer.quant_method, layer, x, layer.bias)
+        _close(hooked, F.linear(x, layer.weight, layer.bias), 32)
+        # The hook really reads the packed attribute: swap in a packed 2*W.
+        setattr(layer, PACKED_ATTR, pack_weight(2 * layer.weight))
+        doubled = cpu_linear.linear_apply_hook(UnquantizedLinearMethod.apply, layer.quant_method, layer, x, None)
+        _close(doubled, 2 * F.linear(x, layer.weight), 32)
+        # A layer without a packed weight goes to SGLang's own apply.
+        setattr(layer, PACKED_ATTR, None)
+        calls = []
+
+        def original(method, lyr, inp, bias=None):
+            calls.append(inp.shape)
+            return F.linear(inp, lyr.weight, bias)
+
+        cpu_linear.linear_apply_hook(original, layer.quant_method, layer, x)
+        assert calls == [x.shape]
+
+
+class _Processor:
+    """The LogitsProcessor attributes the LM-head hook reads."""
+
+    def __init__(self, use_fp32_lm_head: bool = False) -> None:
+        self.use_fp32_lm_head = use_fp32_lm_head
+        self.rl_on_policy_target = None
+
+
+def test_lm_head_hook(sglang_cpu) -> None:
+    model = _tiny_model()
+    cpu_linear.pack_model(model)
+    hidden = torch.randn(7, 32)
+    expected = hidden @ model.lm_head.weight.T
+
+    def original(processor, hidden_states, lm_head, embedding_bias=None, *, out=None):
+        return torch.full((hidden_states.shape[0], lm_head.weight.shape[0]), -1.0)
+
+    with torch.inference_mode():
+        logits = cpu_linear.compute_lm_head_hook(original, _Processor(), hidden, model.lm_head)
+        _close(logits, expected, 32)
+        # SGLang's fp32-head option (and an unpacked head) keep SGLang's own computation.
+        assert (cpu_linear.compute_lm_head_hook(original, _Processor(True), hidden, model.lm_head) == -1).all()
+        setattr(model.lm_head, PACKED_ATTR, None)
+        assert (cpu_linear.compute_lm_head_hook(original, _Processor(), hidden, model.lm_head) == -1).all()
+
+
+def test_weight_update_repacks(sglang_cpu) -> None:
+    model = _tiny_model()
+    cpu_linear.pack_model(model)
+
+    class Updater:
+        def get_model(self):
+            return model
+
+    def update(updater, scale):  # SGLang's loaders write parameters in place through .data
+        for p in updater.get_model().parameters():
+            p.data.mul_(scale)
+        return True, "ok"
+
+    assert cpu_linear.weight_update_hook(update, Updater(), 3.0) == (True, "ok")
+    x = torch.randn(4, 32)
+    with torch.inference_mode():
+        out = cpu_linear.linear(x, model.proj.weight, getattr(model.proj, PACKED_ATTR))
+    _close(out, F.linear(x, model.proj.weight), 32)
+
+
+def test_load_packs_targets_and_drafters_unless_disabled(sglang_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    class Runner:
+        def __init__(self, is_draft_worker: bool, model=None) -> None:
+            self.is_draft_worker = is_draft_worker
+            self.device = "cpu"
+            self.model = model if model is not None else _tiny_model()
+
+    def load(runner):
+        return "loaded"
+
+    target = Runner(False)
+    assert cpu_linear.load_model_hook(load, target) == "loaded"
+    head = getattr(target.model.lm_head, PACKED_ATTR)
+    assert getattr(target.model.proj, PACKED_ATTR) is not None and head is not None
+    # A drafter sharing the target's head keeps the one packed copy.
+    drafter = Runner(True, _tiny_model())
+    drafter.model.lm_head = target.model.lm_head
+    cpu_linear.load_model_hook(load, drafter)
+    assert getattr(drafter.model.proj, PACKED_ATTR) is not None
+    assert getattr(target.model.lm_head, PACKED_ATTR) is head
+
+    monkeypatch.setenv(cpu_linear.ENABLE_ENV, "0")
+    off = Runner(False)
+    cpu_linear.load_model_hook(load, off)
+    assert getattr(off.model.proj, PACKED_ATTR, None) is None
+
+
+def test_tts_publish_repacks_the_written_weight(sglang_cpu) -> None:
+    """TTS publishes through ParamBinding.write (in place, via .data): the packed copy must follow."""
+    from sglang_tts.core.publish import ParamBinding
+
+    model = _tiny_model()
+    cpu_linear.pack_model(model)
+    binding = ParamBinding(dst=model.proj.weight, sources=["w"], name="proj")
+    trained = {"w": torch.randn(24, 32)}
+    cpu_linear.publish_write_hook(ParamBinding.write, binding, trained)
+    assert torch.equal(model.proj.weight, trained["w"])
+    x = torch.randn(5, 32)
+    with torch.inference_mode():
+        out = cpu_linear.linear(x, model.proj.weight, getattr(model.proj, PACKED_ATTR))
+    _close(out, F.linear(x, trained["w"]), 32)
+    # A destination no packed module owns (an adapter bank) is left alone.
+    assert not cpu_linear.repack_tensor(torch.zeros(3, 3))
