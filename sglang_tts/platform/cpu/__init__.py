@@ -12,8 +12,8 @@ What it does when active:
 4. routes sampling requests' verify to a PyTorch target-only tree sampler (stock SGLang commits
    the target's argmax on CPU even when the request samples);
 5. lets stock DFLASH run on CPU (sglang_tts.platform.cpu.dflash);
-6. runs the target model's linear layers and LM head through oneDNN weights packed once at load
-   (sglang_tts.platform.cpu.linear: a few-row product, a verify, then costs about what one row does);
+6. runs the linear layers and LM heads of target and drafter through oneDNN weights packed once at
+   load (sglang_tts.platform.cpu.linear: a few-row product, a verify, then costs near one row's);
 7. with $SGLANG_TTS_CPU_ROUND_TIMING set, logs the wall time of every decode, draft, verify and
    draft-extend phase (sglang_tts.platform.cpu.round_timing, for scripts/bench_cpu_round.py).
 """
