@@ -129,10 +129,11 @@ class TTSDFlashWorker(DFlashWorkerV2):
             )
         finally:
             self._capturing = False
+        commit_lens = result.accept_lens.tolist()  # read on the host once per round
         with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
-            self._after_verify(batch, rids, prefix_lens, result)
+            self._after_verify(batch, rids, prefix_lens, result, commit_lens)
         self._captured_hidden = None
-        self.tts.report_round(batch.reqs, result.accept_lens)
+        self.tts.report_round(batch.reqs, commit_lens)
         return result
 
     def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
@@ -162,11 +163,10 @@ class TTSDFlashWorker(DFlashWorkerV2):
             ends,
         )
 
-    def _after_verify(self, batch, rids, prefix_lens, result) -> None:
+    def _after_verify(self, batch, rids, prefix_lens, result, commit_lens: list[int]) -> None:
         block = int(self.block_size)
         hidden = self._captured_hidden
         logits = result.logits_output.next_token_logits if result.logits_output is not None else None
-        commit_lens = result.accept_lens.tolist()
         contexts = [self.tts.recent_context(rid, prefix_lens[r]) for r, rid in enumerate(rids)]
         if logits is not None and hidden is not None:
             draft_tokens = self._draft_block_tokens_buf[: len(rids)].reshape(-1)

@@ -130,9 +130,10 @@ class TTSEagleWorker(EAGLEWorkerV2):
         if not batch.forward_mode.is_idle():
             tic = time.perf_counter()
             rids = [req.rid for req in batch.reqs]
+            accept_lens = result.accept_lens.tolist()  # read on the host once per round
             with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
-                self._after_verify(batch, verify_input, result, seq_lens)
-            self.tts.report_round(batch.reqs, result.accept_lens)
+                self._after_verify(batch, verify_input, result, seq_lens, accept_lens)
+            self.tts.report_round(batch.reqs, accept_lens)
             if self.tts_controller is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         return result
@@ -173,9 +174,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
             [max(n - 1, 0) for n in seq_lens],
         )
 
-    def _after_verify(self, batch, verify_input, result, seq_lens) -> None:
+    def _after_verify(self, batch, verify_input, result, seq_lens, accept_lens: list[int]) -> None:
         n = self.speculative_num_draft_tokens
-        accept_lens = result.accept_lens.tolist()
         rids = [req.rid for req in batch.reqs]
         rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
         anchors = [self.tts.anchor_features.get(rid) for rid in rids]

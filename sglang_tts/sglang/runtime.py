@@ -117,9 +117,7 @@ class TTSRuntime:
         """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
         published before this round's draft reads the weights."""
         live = set(live_request_ids)
-        for rid in [r for r in self.anchor_features if r not in live]:
-            self._forget(rid)
-        for rid in [r for r in self.requests if r not in live]:
+        for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
             self._forget(rid)
         self._prefilled.clear()
         if self.slots is not None:
@@ -188,7 +186,7 @@ class TTSRuntime:
                 if c is not None:
                     c.slots = self.slots.slots(c.request_ids).to(c.input_ids.device)
         for rid in accept_lengths:
-            self.requests.setdefault(rid, RequestCounters()).rounds += 1
+            self.counters(rid).rounds += 1
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
         # Exact only if no new weights were published since SGLang drafted this round's first token
@@ -209,13 +207,13 @@ class TTSRuntime:
                 rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
             self._pending_rids = list(rows)
 
-    def report_round(self, reqs, accept_lengths: torch.Tensor) -> None:
+    def report_round(self, reqs, accept_lengths: list[int]) -> None:
         """This round's per-request values into SGLang's customized_info (-> meta_info); runs even
         when the capture failed, so every round a request was served in is reported.
         accept_lengths: [bs] tokens each request committed this round (bonus included)."""
         with self.failures.absorb("report", [req.rid for req in reqs]):
             allow_digest = self.config.allow_weight_digest
-            for req, accept_len in zip(reqs, accept_lengths.tolist()):
+            for req, accept_len in zip(reqs, accept_lengths):
                 options = request_options(req, allow_digest)
                 digest = self.serving_digest(req.rid) if options.weight_digest else None
                 tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digest)
