@@ -67,7 +67,7 @@ def _cases(model: str) -> dict[str, tuple[str, dict[str, Any]]]:
         "input_logprobs": (
             "/generate",
             {**ids, "return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2,
-             "sampling_params": {"max_new_tokens": 8}},
+             "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}},
         ),
         "json_schema": (
             "/v1/chat/completions",
