@@ -14,6 +14,10 @@ where shard(t), if a ShardSpec (dim, rank, world_size) is given, is the rank's c
 QKVParallelLinear / MergedColumnParallelLinear shard q, k, v (and gate, up) separately; for a
 single source it is the plain TP slice of the full tensor. (KV heads replicated over more TP ranks
 than there are KV heads are not supported: every sharded size must divide by world_size.)
+
+Serving does not shard yet: the workers bind with no ShardSpec (sglang/binding.py), and
+`--speculative-algorithm TTS` refuses --tp-size > 1 at launch (sglang/algorithm.py). ShardSpec is
+the slicing a tensor-parallel publisher would use, tested on CPU only (tests/core/test_publish.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ class PublishError(ValueError):
 
 @dataclass(frozen=True)
 class ShardSpec:
+    """Rank `rank`'s contiguous 1/world_size slice along `dim`. Not used by serving (TP > 1 is refused)."""
+
     dim: int
     rank: int
     world_size: int

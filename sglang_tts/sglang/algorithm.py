@@ -97,18 +97,40 @@ def resolve_drafter(draft_path: str | None, target_path: str | None) -> str:
     return kind
 
 
+# Parallelism TTS does not implement: flag -> why. Each scheduler process trains one unsharded
+# drafter copy (with the target's whole embedding and LM head) and publishes it into SGLang's draft
+# model as one unsharded copy; core/publish.py's ShardSpec is not wired into the worker binding.
+_SINGLE_RANK = {
+    "tp_size": (
+        "--tp-size",
+        "the drafter update is published to one unsharded copy; tensor-parallel publishing is not implemented",
+    ),
+    "pp_size": (
+        "--pp-size",
+        "the drafter update needs the target's embedding and LM head in one process; pipeline stages split them",
+    ),
+}
+
+
+def check_parallelism(server_args) -> None:
+    """Refuse tensor / pipeline parallelism (data-parallel replicas are independent single-rank servers)."""
+    for name, (flag, why) in _SINGLE_RANK.items():
+        size = int(getattr(server_args, name, 1) or 1)
+        if size > 1:
+            raise TTSLaunchError(f"--speculative-algorithm TTS supports {flag} 1 only, got {size} ({why})")
+
+
 def validate_server_args(server_args) -> None:
     """Run by SGLang at argument resolution, in the launching process, before any worker starts."""
     from sglang_tts.sglang.flags import tts_config_from_env
 
     config = tts_config_from_env()  # re-validates what the flags recorded
+    check_parallelism(server_args)
     kind = resolve_drafter(
         getattr(server_args, "speculative_draft_model_path", None), getattr(server_args, "model_path", None)
     )
     if kind == "dflash" and getattr(server_args, "speculative_draft_window_size", None) is not None:
         raise TTSLaunchError("TTS with a DFlash drafter does not support --speculative-draft-window-size")
-    if config.scope == "request" and int(getattr(server_args, "tp_size", 1) or 1) > 1:
-        raise TTSLaunchError("--tts-scope request (per-request adapters) needs --tp-size 1; use --tts-scope batch")
     if (
         config.scope == "request"
         and config.adapter_rank == FULL_RANK

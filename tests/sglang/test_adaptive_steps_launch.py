@@ -65,7 +65,7 @@ def test_a_corrupt_policy_file_is_refused_at_launch(tiny_llama, eagle3, policy_f
         ({"speculative_num_steps": 2}, r"--speculative-num-steps 2 is not a chain length .* pass one of \[1, 3\]"),
         ({"speculative_num_steps": 3, "speculative_num_draft_tokens": 8}, "must be steps \\+ 1 = 4"),
         ({"speculative_eagle_topk": 4}, "--speculative-eagle-topk 1"),
-        ({"tp_size": 2}, "single rank"),
+        ({"dp_size": 2}, "single rank"),  # tp/pp > 1 are refused for every TTS launch (test_algorithm.py)
         ({"speculative_adaptive_config": "x.json"}, "drop --speculative-adaptive-config"),
     ],
 )

@@ -114,3 +114,36 @@ def test_a_truncated_weight_file_is_a_launch_error_naming_it(tiny_llama, tmp_pat
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     with pytest.raises(TTSLaunchError, match=r"model\.safetensors cannot be read \(truncated or corrupt"):
         resolve_drafter(str(drafter), str(tiny_llama))
+
+
+@pytest.mark.parametrize(
+    ("scope", "parallel", "message"),
+    [
+        ("batch", {"tp_size": 2}, "supports --tp-size 1 only, got 2 .*tensor-parallel publishing is not implemented"),
+        ("global", {"tp_size": 2}, "supports --tp-size 1 only"),
+        ("request", {"tp_size": 4}, "supports --tp-size 1 only, got 4"),
+        ("batch", {"pp_size": 2}, "supports --pp-size 1 only, got 2"),
+    ],
+)
+def test_tensor_and_pipeline_parallelism_are_refused_at_launch(
+    tiny_llama, tmp_path, monkeypatch, scope, parallel, message
+):
+    # The update is published into one unsharded copy of the drafter: a TP/PP rank would hold a shard.
+    monkeypatch.setenv(KIND_ENV, "eagle3")
+    monkeypatch.setenv(ENV_VAR, json.dumps({"scope": scope}))
+    drafter = str(write_tiny_eagle3(tmp_path / "e3", _target_config(tiny_llama)))
+    with pytest.raises(TTSLaunchError, match=f"--speculative-algorithm TTS {message}"):
+        validate_server_args(
+            SimpleNamespace(speculative_draft_model_path=drafter, model_path=str(tiny_llama), **parallel)
+        )
+
+
+def test_a_single_rank_launch_passes_the_parallelism_check(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv(KIND_ENV, "eagle3")
+    monkeypatch.delenv(ENV_VAR, raising=False)  # default flags: scope batch
+    drafter = str(write_tiny_eagle3(tmp_path / "e3", _target_config(tiny_llama)))
+    # dp_size > 1 without attention DP: independent single-rank replicas, each with its own drafter copy.
+    for parallel in ({}, {"tp_size": 1, "pp_size": 1}, {"tp_size": None}, {"dp_size": 2}):
+        validate_server_args(
+            SimpleNamespace(speculative_draft_model_path=drafter, model_path=str(tiny_llama), **parallel)
+        )
