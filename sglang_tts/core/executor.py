@@ -226,8 +226,9 @@ class SideStreamExecutor(_WorkerThreadExecutor):
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"SideStreamExecutor needs a CUDA device, got {device}")
-        self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        # With its index: SGLang passes "cuda" (the current device), and set_device() in the worker needs one.
+        self.device = self.stream.device
         super().__init__("tts-update-cuda")
 
     def _before_submit(self, job: _Job) -> None:
