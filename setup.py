@@ -10,7 +10,11 @@ setup(
     # that is OpenAI's package, which SGLang imports for MXFP4/FP8 models (tests/test_distribution.py).
     packages=find_packages(include=["sglang_tts", "sglang_tts.*"]),
     # The workloads' committed prompt files (sglang_tts/data/workloads.py, long_context.py).
-    package_data={"sglang_tts.data": ["files/*.json", "files/*.jsonl"]},
+    # ... and the drafters that ship with the package, fp16 (sglang_tts/drafters/shipped.py).
+    package_data={
+        "sglang_tts.data": ["files/*.json", "files/*.jsonl"],
+        "sglang_tts.drafters": ["shipped/*/*.json", "shipped/*/*.safetensors"],
+    },
     python_requires=">=3.10",
     # sglang and torch are installed by scripts/setup_env.sh (CPU build of torch, sglang --no-deps);
     # listing them here would let pip pull CUDA wheels.

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.assets import cache_root
+from sglang_tts.drafters.shipped import shipped_drafter
 
 KINDS = ("eagle3", "dflash")
 STRIDES = (1, 2, 5, 10, 20)
@@ -321,14 +322,18 @@ def find_default_drafter(target_name: str, kind: str, root: Path | None = None) 
     """The project's trained ``kind`` drafter for ``target_name``: ``<root>/<target>-<kind>-<tag>``.
 
     scripts/train_drafter.py names its output folders that way (tag ``len<max-len>`` by default).
-    Untrained folders (the demo's ``*-untrained*``) never count. Of several, the newest wins.
+    Untrained folders (the demo's ``*-untrained*``) never count. Of several, the newest wins. With
+    none in the default cache, the drafter that ships with the package for the target, if any.
     """
+    shipped = shipped_drafter(target_name, kind) if root is None else None
     root = Path(root) if root is not None else drafters_root()
     candidates = [
         path
         for path in root.glob(f"{target_name}-{kind}-*")
         if "untrained" not in path.name and (path / "config.json").is_file() and drafter_kind_of(path) == kind
     ]
+    if not candidates and shipped is not None:
+        return shipped
     if not candidates:
         raise ConfigError(
             f"no trained {kind} drafter for {target_name} under {root} "

@@ -296,3 +296,21 @@ def test_a_reference_resolves_to_one_configuration():
         resolve_reference("tts-s2+best", names)
     with pytest.raises(ConfigError, match="is not one of the configurations: use one of no-spec"):
         resolve_reference("tts-s5", names)
+
+
+def test_default_drafter_is_the_newest_trained_one_else_the_shipped_one(tmp_path, monkeypatch):
+    from sglang_tts.bench import configs
+
+    monkeypatch.setattr(configs, "cache_root", lambda: tmp_path)
+    shipped = tmp_path / "shipped" / "M-eagle3"
+    monkeypatch.setattr(configs, "shipped_drafter", lambda t, kind: shipped if (t, kind) == ("M", "eagle3") else None)
+    assert configs.find_default_drafter("M", "eagle3") == shipped
+    with pytest.raises(configs.ConfigError, match="no trained dflash drafter for M"):
+        configs.find_default_drafter("M", "dflash")
+    trained = tmp_path / "drafters" / "M-eagle3-len256"
+    trained.mkdir(parents=True)
+    (trained / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLMEagle3"]}))
+    assert configs.find_default_drafter("M", "eagle3") == trained
+    # an explicit root never falls back to the shipped drafter
+    with pytest.raises(configs.ConfigError):
+        configs.find_default_drafter("M", "eagle3", root=tmp_path / "elsewhere")

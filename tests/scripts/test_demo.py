@@ -1,11 +1,16 @@
-"""scripts/demo.py picks the newest trained EAGLE-3 drafter for the model, never its own untrained one."""
+"""scripts/demo.py: the shipped drafter by default, the untrained one only on request, and the demo's
+table and files, checked end to end on the tiny looping pair (two real servers, frozen and TTS)."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
-import time
+import json
 from pathlib import Path
+
+import pytest
+
+from sglang_tts.bench.demo import Answer, DemoResult, render
+from sglang_tts.drafters.shipped import write_compact
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -17,22 +22,79 @@ def _demo():
     return module
 
 
-def _checkpoint(folder: Path, mtime: float) -> None:
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
-    (folder / "model.safetensors").write_bytes(b"x")
-    os.utime(folder / "model.safetensors", (mtime, mtime))
+def _result(frozen_lengths, tts_lengths, text="one two three four five six seven eight nine ten " * 4):
+    def answer(variant, lengths, seconds):
+        return Answer(variant, text, 1 + sum(lengths), seconds, list(lengths), updates=len(lengths) // 2)
+
+    return DemoResult(
+        model="m",
+        drafter="d",
+        drafter_trained=True,
+        question="q",
+        max_tokens=64,
+        launch_args=[],
+        answers={"frozen": answer("frozen", frozen_lengths, 4.0), "TTS": answer("TTS", tts_lengths, 2.0)},
+        server_start_s={"frozen": 1.0, "TTS": 1.0},
+        repetition=[1.0, 0.9, 0.3, 0.2],
+    )
 
 
-def test_the_newest_trained_drafter_wins_and_the_untrained_one_is_never_picked(tmp_path, monkeypatch):
-    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path))
+def test_acceptance_is_split_by_the_quarter_each_round_starts_in():
+    # 17 tokens: the prefill token, then rounds starting at 1, 5, 9, 13 (4 tokens each)
+    answer = Answer("TTS", "", 17, 1.0, [4, 4, 4, 4])
+    assert answer.accept_by_quarter() == [4.0, 4.0, 4.0, 4.0]
+    answer = Answer("TTS", "", 9, 1.0, [1, 1, 1, 1, 4])  # starts 1, 2, 3, 4, 5 -> quarters 0,0,1,1,2
+    assert answer.accept_by_quarter() == [1.0, 1.0, 4.0, None]
+
+
+def test_render_prints_the_table_the_speedup_and_the_loop_warning():
+    text = render(_result([2, 2, 2, 2], [3, 3, 3, 3]))
+    lines = text.splitlines()
+    frozen = next(line for line in lines if line.startswith("frozen"))
+    tts = next(line for line in lines if line.startswith("TTS" + " " * 5))
+    assert frozen.split() == ["frozen", "2.00", "2.00", "2.00", "2.00", "2.00"]
+    assert tts.split()[:6] == ["TTS", "3.00", "3.00", "3.00", "3.00", "3.00"] and tts.endswith("(+50%)")
+    assert "tokens/s: frozen 2.2, TTS 6.5 (2.89x)" in text
+    assert "outputs identical: NO (9 and 13 tokens)" in text  # different lengths: not identical
+    assert "WARNING: the answer loops" in text
+    assert "TTS updates: 2 made" in text
+
+
+def test_the_shipped_drafter_is_the_default_and_the_untrained_one_needs_its_flag(tmp_path, monkeypatch, capsys):
     demo = _demo()
-    model = Path("/models/SmolLM2-135M-Instruct")
-    drafters = tmp_path / "drafters"
-    _checkpoint(drafters / "untrained-SmolLM2-135M-Instruct-eagle3-v2", time.time())
-    assert demo.trained_drafter(model) is None
-    _checkpoint(drafters / "SmolLM2-135M-Instruct-eagle3-len256", time.time() - 100)
-    _checkpoint(drafters / "SmolLM2-135M-Instruct-eagle3-len512", time.time() - 10)
-    _checkpoint(drafters / "SmolLM2-135M-Instruct-dflash-len256", time.time())
-    (drafters / "SmolLM2-135M-Instruct-eagle3-len128").mkdir()  # interrupted: no weights yet
-    assert demo.trained_drafter(model) == drafters / "SmolLM2-135M-Instruct-eagle3-len512"
+    monkeypatch.setenv("SGLANG_TTS_CACHE", str(tmp_path))
+    model = tmp_path / "NoSuchModel"
+    model.mkdir()
+    with pytest.raises(SystemExit):
+        demo.main(["--model", str(model)])
+    assert "no drafter ships for NoSuchModel" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(900)
+def test_the_demo_on_the_tiny_looping_pair_prints_its_table_and_writes_json_and_png(
+    tmp_path, loopy_llama, loopy_eagle3, capsys
+):
+    """Both servers load an fp16-stored drafter (the shipped form); TTS adapts, the outputs are equal."""
+    drafter = write_compact(loopy_eagle3, tmp_path / "drafter", {"train_command": "test"})
+    out = tmp_path / "out"
+    rc = _demo().main(
+        [
+            "--model", str(loopy_llama), "--drafter", str(drafter), "--max-tokens", "96", "--out", str(out),
+            "--question", "hello there", "--extra-args", "--tts-update-stride 2 --tts-lr 1e-2",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert "tokens per verify round (bonus included), by quarter of the output:" in printed
+    assert "outputs identical: yes" in printed
+    payload = json.loads((out / "demo.json").read_text())
+    frozen, tts = payload["answers"]["frozen"], payload["answers"]["TTS"]
+    assert payload["identical"] and frozen["text"] == tts["text"]
+    assert frozen["updates"] == 0 and tts["updates"] > 0
+    assert len(tts["accept_by_quarter"]) == 4 and tts["tokens_per_s"] > 0
+    # the prefill emits the first token; the last round may run past max_tokens (SGLang trims the output)
+    assert tts["completion_tokens"] - 1 <= sum(tts["accept_lengths"]) <= tts["completion_tokens"] + 3
+    assert payload["table"] in printed
+    assert (out / "demo.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = (out / "demo.md").read_text()
+    assert payload["table"] in report and "--max-tokens 96" in report and tts["text"] in report

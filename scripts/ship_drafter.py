@@ -1,0 +1,62 @@
+"""Ship a drafter trained by scripts/train_drafter.py: a compact (fp16) copy inside the package.
+
+    .venv/bin/python scripts/ship_drafter.py --kind eagle3 \\
+        --train-command "scripts/train_drafter.py --kind eagle3 --threads 2 --gen-batch-size 32 --epochs 5.5"
+
+Takes the newest `<target>-<kind>-len*` folder train_drafter.py wrote to the cache (or --src), casts its
+floating-point tensors to fp16 and writes config.json + model.safetensors + training.json (the commands
+and the training summary) to sglang_tts/drafters/shipped/<target>-<kind>/, which scripts/demo.py and
+the benchmarks use by default. The loaders cast the weights back to the server's dtype.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+from sglang_tts.assets import DEFAULT_MODEL, cache_root
+from sglang_tts.drafters.shipped import SHIPPED_ROOT, write_compact
+
+
+def newest_trained(target: str, kind: str) -> Path:
+    found = [
+        d
+        for d in (cache_root() / "drafters").glob(f"{target}-{kind}-len*")
+        if (d / "model.safetensors").is_file() and (d / "train" / "summary.json").is_file()
+    ]
+    if not found:
+        where = cache_root() / "drafters"
+        raise SystemExit(f"no trained {kind} drafter for {target} under {where}: run scripts/train_drafter.py")
+    return max(found, key=lambda d: (d / "model.safetensors").stat().st_mtime)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kind", choices=["eagle3", "dflash"], default="eagle3")
+    ap.add_argument("--target", default=DEFAULT_MODEL.name, help="target model folder name (default: %(default)s)")
+    ap.add_argument("--src", type=Path, help="trained checkpoint folder (default: the newest in the cache)")
+    ap.add_argument("--dst", type=Path, help="default: sglang_tts/drafters/shipped/<target>-<kind>")
+    ap.add_argument("--train-command", required=True, help="the train_drafter.py command(s) that produced --src")
+    args = ap.parse_args(argv)
+
+    src = args.src or newest_trained(args.target, args.kind)
+    dst = args.dst or SHIPPED_ROOT / f"{args.target}-{args.kind}"
+    summary = json.loads((src / "train" / "summary.json").read_text())
+    summary.pop("checkpoint", None)  # a path on the training machine
+    record = {
+        "train_command": args.train_command,
+        "ship_command": "scripts/ship_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "stored_dtype": "float16",
+        "summary": summary,
+    }
+    write_compact(src, dst, record)
+    size = sum(f.stat().st_size for f in dst.iterdir())
+    print(f"{dst} ({size / 2**20:.1f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
