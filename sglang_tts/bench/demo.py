@@ -189,10 +189,12 @@ def render(result: DemoResult) -> str:
     )
     lines[-1] += gain
     per_update = tts.update_ms / tts.updates if tts.updates else 0.0
+    sync = "--tts-sync" in result.launch_args
+    where = "on the serving thread: --tts-sync" if sync else "on a worker thread, overlapped with serving"
     lines += [
         "",
         f"TTS updates: {tts.updates} made, {tts.skipped_updates} skipped, {per_update:.1f} ms each "
-        f"(on a worker thread, overlapped with serving); the frozen server made {frozen.updates}",
+        f"({where}); the frozen server made {frozen.updates}",
         f"tokens/s: frozen {frozen.tokens_per_s:.1f}, TTS {tts.tokens_per_s:.1f} "
         f"({tts.tokens_per_s / frozen.tokens_per_s if frozen.tokens_per_s else float('nan'):.2f}x)",
         f"outputs identical: {'yes' if result.identical else 'NO'} "
