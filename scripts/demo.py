@@ -41,7 +41,22 @@ def untrained_drafter(model_dir: Path) -> Path:
     return out
 
 
+def attach_extra_args(argv: list[str]) -> list[str]:
+    """`--extra-args --tts-sync` as `--extra-args=--tts-sync`: argparse takes a lone value that starts
+    with `--` for an option of its own and refuses the pair."""
+    out, i = [], 0
+    while i < len(argv):
+        if argv[i] == "--extra-args" and i + 1 < len(argv):
+            out.append(f"--extra-args={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = attach_extra_args(sys.argv[1:] if argv is None else list(argv))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
     ap.add_argument("--drafter", type=Path, help="EAGLE-3 drafter folder (default: the one shipped for the model)")
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     print(result.answers["TTS"].text)
     print()
     print(render(result))
-    command = shlex.join(["python", "scripts/demo.py", *(sys.argv[1:] if argv is None else argv)])
+    command = shlex.join(["python", "scripts/demo.py", *argv])
     written = write_outputs(result, args.out, command=command)
     print("wrote " + ", ".join(str(p) for p in written))
     return 0 if result.identical else 1

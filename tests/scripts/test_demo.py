@@ -70,6 +70,13 @@ def test_the_shipped_drafter_is_the_default_and_the_untrained_one_needs_its_flag
     assert "no drafter ships for NoSuchModel" in capsys.readouterr().err
 
 
+def test_extra_args_may_start_with_dashes():
+    demo = _demo()
+    given = ["--extra-args", "--tts-sync", "--out", "x"]
+    assert demo.attach_extra_args(given) == ["--extra-args=--tts-sync", "--out", "x"]
+    assert demo.attach_extra_args(["--extra-args=--tts-lr 1e-3"]) == ["--extra-args=--tts-lr 1e-3"]
+
+
 @pytest.mark.timeout(900)
 def test_the_demo_on_the_tiny_looping_pair_prints_its_table_and_writes_json_and_png(
     tmp_path, loopy_llama, loopy_eagle3, capsys
