@@ -93,9 +93,11 @@ def test_one_backward_gives_each_request_only_its_own_gradient(generator, spec):
     only_a = grads(_row(canvas, 0))
     slot0 = set(drafter.bank.slot_parameter_names(0))
     slot1 = set(drafter.bank.slot_parameter_names(1))
-    # Equal up to float summation order; with the LM head adapted the sums run over the vocabulary
-    # and differ more (seen on CI: 1.7e-7 absolute), so only those specs get the looser bound.
-    tol = {"rtol": 1e-4, "atol": 1e-6} if LM_HEAD in spec.layers else {"rtol": 1e-5, "atol": 1e-7}
+    # Equal up to float summation order, which a batch of two and a batch of one reduce in different
+    # orders (seen on CI: 1.7e-7 absolute with the LM head adapted, 1.6e-7 with the full-rank
+    # attention adapters). Row 1's gradient leaking into slot 0 would differ by the size of a
+    # gradient entry (their mean |value| is 9e-3 to 1e-2 here), far above this bound.
+    tol = {"rtol": 1e-4, "atol": 1e-6}
     for name in slot0:
         torch.testing.assert_close(both[name], only_a[name], **tol)
         assert only_a[name].abs().sum() > 0
