@@ -17,20 +17,20 @@ import shlex
 import sys
 from pathlib import Path
 
-from sglang_tts.assets import DEFAULT_MODEL, cache_root
+from sglang_tts.assets import DEFAULT_MODEL
+from sglang_tts.bench.configs import ConfigError, drafters_root, find_default_drafter
 from sglang_tts.drafters.shipped import SHIPPED_ROOT, write_compact
 
 
 def newest_trained(target: str, kind: str) -> Path:
-    found = [
-        d
-        for d in (cache_root() / "drafters").glob(f"{target}-{kind}-len*")
-        if (d / "model.safetensors").is_file() and (d / "train" / "summary.json").is_file()
-    ]
-    if not found:
-        where = cache_root() / "drafters"
-        raise SystemExit(f"no trained {kind} drafter for {target} under {where}: run scripts/train_drafter.py")
-    return max(found, key=lambda d: (d / "model.safetensors").stat().st_mtime)
+    """The newest folder train_drafter.py wrote for `target` in the cache (never the shipped one)."""
+    try:
+        src = find_default_drafter(target, kind, root=drafters_root())
+    except ConfigError as exc:
+        raise SystemExit(str(exc)) from None
+    if not (src / "train" / "summary.json").is_file():
+        raise SystemExit(f"{src} has no train/summary.json: its training did not finish (rerun with --resume)")
+    return src
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     summary.pop("checkpoint", None)  # a path on the training machine
     record = {
         "train_command": args.train_command,
-        "ship_command": "scripts/ship_drafter.py " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "ship_command": shlex.join(["scripts/ship_drafter.py", *(sys.argv[1:] if argv is None else argv)]),
         "stored_dtype": "float16",
         "summary": summary,
     }

@@ -20,7 +20,7 @@ from typing import Any
 
 from sglang_tts.bench.metrics import round_starts
 from sglang_tts.bench.repetition import REPETITIVE_BELOW, distinct_by_quarter
-from sglang_tts.bench.report import fmt, machine_info, write_json
+from sglang_tts.bench.report import fmt, machine_info, pyplot, write_json
 from sglang_tts.bench.server import ServerProcess, start_server, stop_server
 from sglang_tts.data.prompts import format_chat
 
@@ -216,11 +216,7 @@ def render(result: DemoResult) -> str:
 
 def plot(result: DemoResult, path: Path, bucket: int = 32) -> Path:
     """Tokens per round along the output, in `bucket`-token windows, frozen vs TTS."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     for answer in result.answers.values():
         sums: dict[int, list[int]] = {}

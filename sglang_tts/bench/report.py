@@ -556,7 +556,8 @@ def render_markdown(
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _pyplot():
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only, no display), imported on first use."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -570,7 +571,7 @@ def plot_acceptance_by_position(aggregates: Aggregates, path: Path) -> Path | No
     kinds = [k for k in _kinds(aggregates) if any(s.kind == k and s.buckets for s in aggregates.summaries)]
     if not kinds:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, axes = plt.subplots(1, len(kinds), figsize=(6.5 * len(kinds), 4.2), squeeze=False)
     for ax, kind in zip(axes[0], kinds):
         for s in aggregates.summaries:
@@ -596,7 +597,7 @@ def plot_stride_sweep(aggregates: Aggregates, path: Path) -> Path | None:
     kinds = [k for k in _kinds(aggregates) if _tts_all(aggregates, k)]
     if not kinds:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -640,7 +641,7 @@ def plot_acceptance_by_dataset(aggregates: Aggregates, path: Path) -> Path | Non
             pairs.append((kind, frozen, aggregates.best_tts[kind]))
     if not pairs:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     datasets = [*aggregates.datasets, ALL] if len(aggregates.datasets) > 1 else list(aggregates.datasets)
     fig, axes = plt.subplots(1, len(pairs), figsize=(max(5.0, 1.3 * len(datasets) + 2.5) * len(pairs), 4.2))
     axes = list(axes) if len(pairs) > 1 else [axes]
@@ -697,7 +698,7 @@ def plot_throughput(aggregates: Aggregates, path: Path) -> Path | None:
                 bars.append((name, s.tokens_per_s, color))
     if not bars:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(bars) + 1.5), 4.2))
     drawn = ax.bar(range(len(bars)), [b[1] for b in bars], color=[b[2] for b in bars])
     if base is not None and base.tokens_per_s and not math.isnan(base.tokens_per_s):
