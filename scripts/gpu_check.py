@@ -753,7 +753,8 @@ def check_sync_free_round(ctx: Context) -> str:
                         submits = runtime.distiller.next_round_submits()
                     canvas = tiny_canvas(drafter, gen, ctx.device, live) if submits else None
                     with sync_debug_error():
-                        runtime.observe(canvas, dict.fromkeys(live, 2))
+                        runtime.count_round(dict.fromkeys(live, 2))
+                        runtime.observe(canvas)
                 except RuntimeError as exc:
                     raise CheckFailed(f"round {round_number}: {exc}") from exc
                 finally:

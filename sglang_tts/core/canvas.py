@@ -116,3 +116,51 @@ class Canvas:
             raise ValueError("valid must be a [B, C] bool tensor")
         if self.features.shape[0] != b:
             raise ValueError("features must have the batch dimension first")
+
+
+class CanvasBuffers:
+    """Preallocated storage, on the update's device, for the fixed-shape fields of update canvases.
+
+    Capture gathers SGLang's verify outputs straight into these (one device-side copy) and the
+    update trains on them as they are: no host round trip, no second private copy. One set serves
+    every update, because the Distiller runs at most one update at a time and hands the buffers out
+    only through `Distiller.capture_buffers()`, which first collects a running update. The storage
+    is allocated for the largest batch seen so far (rows rounded up to a power of two) and the
+    largest canvas length, so it stops growing once serving has seen its largest batch.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._rows = 0  # capacity in canvas cells (batch x length)
+        self._key: tuple | None = None  # (vocab, feature shape) the storage was made for
+        self._store: dict[str, torch.Tensor] = {}
+        self.num_allocations = 0
+
+    def views(self, b: int, c: int, vocab: int, feature_shape: tuple[int, ...]) -> dict[str, torch.Tensor]:
+        """Contiguous views for a [b, c] canvas: input_ids, positions, valid [b, c], target_logits
+        [b, c, vocab] (float32) and features [b, *feature_shape] (float32)."""
+        cells, key = b * c, (vocab, tuple(feature_shape))
+        if cells > self._rows or key != self._key:
+            rows = 1 << max(cells - 1, 0).bit_length()
+            with torch.inference_mode(False):
+                self._store = {
+                    "input_ids": torch.zeros(rows, dtype=torch.long, device=self.device),
+                    "positions": torch.zeros(rows, dtype=torch.long, device=self.device),
+                    "valid": torch.zeros(rows, dtype=torch.bool, device=self.device),
+                    "target_logits": torch.zeros(rows, vocab, dtype=torch.float32, device=self.device),
+                    "features": torch.zeros(rows, *feature_shape, dtype=torch.float32, device=self.device),
+                }
+            self._rows, self._key = rows, key
+            self.num_allocations += 1
+        s = self._store
+        return {
+            "input_ids": s["input_ids"][:cells].view(b, c),
+            "positions": s["positions"][:cells].view(b, c),
+            "valid": s["valid"][:cells].view(b, c),
+            "target_logits": s["target_logits"][:cells].view(b, c, vocab),
+            "features": s["features"][:b],
+        }
+
+    def storage_pointers(self) -> dict[str, int]:
+        """data_ptr of each stored tensor (tests: the storage does not move once warm)."""
+        return {name: t.data_ptr() for name, t in self._store.items()}

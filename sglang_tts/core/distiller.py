@@ -37,7 +37,9 @@ is set back to the last published weights with a fresh optimizer state.
 
 Memory: besides the trained copy, one rollback copy of the trained parameters and optimizer
 state (refilled in place before every update) and one copy of the last published trained
-parameters (what a failed publish or a failed rollback goes back to).
+parameters (what a failed publish or a failed rollback goes back to); and one set of canvas
+buffers (core/canvas.py: CanvasBuffers) that engines fill through capture_buffers() and hand to
+observe(canvas, owned=True), so an update's canvas is copied once, on the device.
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ import torch
 from torch import nn
 
 from sglang_tts.config import TTSConfig, TTSConfigError
-from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.canvas import Canvas, CanvasBuffers
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.loss import compute_loss, tts_loss
 from sglang_tts.core.publish import WeightPublisher
@@ -193,6 +195,7 @@ class Distiller:
         # The trained parameters as last published: what a failed publish writes back.
         self._published = [p.detach().clone() for p in self.train_params]
         self._weights_cache: dict[int, torch.Tensor] = {}
+        self._canvas_buffers = CanvasBuffers(self.device)  # see capture_buffers()
         self._window_start = 0  # scope round at which the current stride's windows began
 
     # --- the serving-thread API -------------------------------------------------------------
@@ -210,9 +213,20 @@ class Distiller:
         """Will the next observe() submit an update? Lets the engine build a canvas only then."""
         return not self.config.freeze and (self._window_rounds + 1) % self.config.update_stride == 0
 
-    def observe(self, canvas: Canvas | None) -> bool:
+    def capture_buffers(self) -> CanvasBuffers:
+        """Where the engine builds the next update's canvas (preallocated, reused by every update).
+        A running update still reads them, so it is collected first (published at the next barrier)."""
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        return self._canvas_buffers
+
+    def observe(self, canvas: Canvas | None, owned: bool = False) -> bool:
         """Count one verify round; every update_stride rounds submit an update on this canvas
         (None: the round produced no usable canvas, it still counts).
+
+        owned: the canvas's tensors are the update's own (built outside inference mode, on this
+        device, into capture_buffers() or fresh tensors nobody else writes): no private copy.
+        Otherwise the update trains on a copy, as the serving path may reuse the canvas's buffers.
 
         Returns whether an update was submitted."""
         self.stats.rounds += 1
@@ -223,11 +237,13 @@ class Distiller:
             return False
         if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
             self._absorb(self.executor.wait())
-        # Outside inference mode, so a canvas of inference tensors becomes an autograd-usable copy.
-        with torch.inference_mode(False), torch.no_grad():
-            private = canvas.detach_clone()
-            if private.input_ids.device != self.device:
-                private = private.to(self.device)
+        private = canvas
+        if not owned:
+            # Outside inference mode, so a canvas of inference tensors becomes an autograd-usable copy.
+            with torch.inference_mode(False), torch.no_grad():
+                private = canvas.detach_clone()
+                if private.input_ids.device != self.device:
+                    private = private.to(self.device)
         update_index, submitted_round = self._num_submitted, self.stats.rounds
         self._num_submitted += 1
         self.executor.submit(lambda: self._update(private, update_index, submitted_round))

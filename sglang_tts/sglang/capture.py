@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.canvas import Canvas, CanvasBuffers
 
 
 def path_rows(
@@ -52,11 +52,22 @@ def build_canvas(
     num_accepted: Sequence[int] | None = None,
     round_index: int = 0,
     device: torch.device | str = "cpu",
+    buffers: CanvasBuffers | None = None,
 ) -> Canvas | None:
-    """Pad the requests' chains into one Canvas. Exactly one of `anchor_features` (EAGLE-3:
-    requests without one are left out) and `context_features` (DFlash, with `feature_dim`) is given.
+    """Pad the requests' chains into one Canvas on `device`. Exactly one of `anchor_features`
+    (EAGLE-3: requests without one are left out) and `context_features` (DFlash, with
+    `feature_dim`) is given.
 
-    past_kv(r) returns, per drafter layer, (k, v) of shape [H_kv, L_r, D] for request r.
+    The canvas is gathered on the device that holds SGLang's tensors and written once into
+    tensors the update owns (`buffers`' views when given, else fresh ones), outside inference mode
+    so that autograd may use them: callers hand it to the update without another copy.
+
+    draft_tokens:    [bs * n] the verify input's tokens (any integer dtype)
+    target_logits:   [bs * n, V] the target's verify logits
+    rows[r]:         flat indices into those of request r's canvas positions (host ints)
+    seq_lens[r]:     position of request r's canvas position 0 (host ints)
+    anchor_features: [F] per request, on the device (EAGLE-3)
+    past_kv(r):      per drafter layer, (k, v) of shape [H_kv, L_r, D] for request r.
     """
     if (anchor_features is None) == (context_features is None):
         raise ValueError("build_canvas needs exactly one of anchor_features and context_features")
@@ -66,68 +77,96 @@ def build_canvas(
         keep = [r for r in range(len(rows)) if len(rows[r]) > 0]
     if not keep:
         return None
+    device = torch.device(device)
     b = len(keep)
     c = max(len(rows[r]) for r in keep)
     vocab = target_logits.shape[-1]
-    input_ids = torch.zeros((b, c), dtype=torch.long)
-    positions = torch.zeros((b, c), dtype=torch.long)
-    logits = torch.zeros((b, c, vocab), dtype=torch.float32)
-    valid = torch.zeros((b, c), dtype=torch.bool)
-    for i, r in enumerate(keep):
-        idx = torch.tensor(rows[r], dtype=torch.long)
-        n = idx.numel()
-        input_ids[i, :n] = draft_tokens[idx.to(draft_tokens.device)].long().cpu()
-        positions[i, :n] = seq_lens[r] + torch.arange(n)
-        positions[i, n:] = seq_lens[r] + torch.arange(n, c)  # keep RoPE positions increasing in padding
-        logits[i, :n] = target_logits[idx.to(target_logits.device)].float().cpu()
-        valid[i, :n] = True
-    context_positions = context_mask = None
-    if anchor_features is not None:
-        features = torch.stack([anchor_features[r].float().cpu() for r in keep])
-    else:
-        features, context_positions, context_mask = _pad_context([context_features[r] for r in keep], feature_dim)
+    # Host side: small index and layout tensors (b x c ints); padding cells repeat a real row.
+    flat, positions, valid = [], [], []
+    for r in keep:
+        n = len(rows[r])
+        flat += [int(i) for i in rows[r]] + [int(rows[r][0])] * (c - n)
+        positions += range(seq_lens[r], seq_lens[r] + c)  # RoPE positions keep increasing in padding
+        valid += [True] * n + [False] * (c - n)
+    with torch.inference_mode(False), torch.no_grad():
+        if anchor_features is not None:
+            feature_shape = tuple(anchor_features[keep[0]].shape)
+        else:
+            feature_shape = ()
+        if buffers is not None and anchor_features is not None:
+            out = buffers.views(b, c, vocab, feature_shape)
+        else:
+            out = {
+                "input_ids": torch.empty((b, c), dtype=torch.long, device=device),
+                "positions": torch.empty((b, c), dtype=torch.long, device=device),
+                "valid": torch.empty((b, c), dtype=torch.bool, device=device),
+                "target_logits": torch.empty((b, c, vocab), dtype=torch.float32, device=device),
+                "features": torch.empty((b, *feature_shape), dtype=torch.float32, device=device),
+            }
+        index = torch.tensor(flat, dtype=torch.long).to(target_logits.device, non_blocking=True)
+        out["input_ids"].view(-1).copy_(draft_tokens.index_select(0, index.to(draft_tokens.device)))
+        logits_out = out["target_logits"].view(b * c, vocab)
+        if target_logits.dtype == torch.float32 and target_logits.device == device:
+            torch.index_select(target_logits, 0, index, out=logits_out)
+        else:
+            logits_out.copy_(target_logits.index_select(0, index))
+        out["positions"].view(-1).copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
+        out["valid"].view(-1).copy_(torch.tensor(valid, dtype=torch.bool), non_blocking=True)
+        out["input_ids"].masked_fill_(~out["valid"], 0)
+        context_positions = context_mask = None
+        if anchor_features is not None:
+            features = out["features"]
+            features.copy_(torch.stack([anchor_features[r] for r in keep]))
+        else:
+            features, context_positions, context_mask = _pad_context(
+                [context_features[r] for r in keep], feature_dim, device
+            )
 
-    kv = None
-    past_mask = None
-    if past_kv is not None:
-        per_req = [past_kv(r) for r in keep]
-        num_layers = len(per_req[0])
-        max_len = max(k.shape[1] for layers in per_req for k, _ in layers)
-        past_mask = torch.zeros((b, max_len), dtype=torch.bool)
-        kv = []
-        for layer in range(num_layers):
-            k0, v0 = per_req[0][layer]
-            ks = torch.zeros((b, k0.shape[0], max_len, k0.shape[2]), dtype=torch.float32)
-            vs = torch.zeros((b, v0.shape[0], max_len, v0.shape[2]), dtype=torch.float32)
-            for i, layers in enumerate(per_req):
-                k, v = layers[layer]
-                ks[i, :, : k.shape[1]] = k.float().cpu()
-                vs[i, :, : v.shape[1]] = v.float().cpu()
-                past_mask[i, : k.shape[1]] = True
-            kv.append((ks, vs))
+        kv = None
+        past_mask = None
+        if past_kv is not None:
+            per_req = [past_kv(r) for r in keep]
+            num_layers = len(per_req[0])
+            lengths = [layers[0][0].shape[1] for layers in per_req]
+            max_len = max(lengths)
+            past_mask = torch.tensor([[j < n for j in range(max_len)] for n in lengths], dtype=torch.bool)
+            past_mask = past_mask.to(device, non_blocking=True)
+            kv = []
+            for layer in range(num_layers):
+                k0, v0 = per_req[0][layer]
+                ks = torch.zeros((b, k0.shape[0], max_len, k0.shape[2]), dtype=torch.float32, device=device)
+                vs = torch.zeros((b, v0.shape[0], max_len, v0.shape[2]), dtype=torch.float32, device=device)
+                for i, layers in enumerate(per_req):
+                    k, v = layers[layer]
+                    ks[i, :, : k.shape[1]] = k
+                    vs[i, :, : v.shape[1]] = v
+                kv.append((ks, vs))
+        accepted = None
+        if num_accepted is not None:
+            accepted = torch.tensor([num_accepted[r] for r in keep]).to(device, non_blocking=True)
 
     canvas = Canvas(
-        input_ids=input_ids,
-        positions=positions,
-        target_logits=logits,
-        valid=valid,
+        input_ids=out["input_ids"],
+        positions=out["positions"],
+        target_logits=out["target_logits"],
+        valid=out["valid"],
         features=features,
         past_kv=kv,
         past_mask=past_mask,
         context_positions=context_positions,
         context_mask=context_mask,
-        num_accepted=None if num_accepted is None else torch.tensor([num_accepted[r] for r in keep]),
+        num_accepted=accepted,
         request_ids=[request_ids[r] for r in keep],
         round_index=round_index,
     )
     canvas.validate()
-    return canvas.to(device) if str(device) != "cpu" else canvas
+    return canvas
 
 
 def _pad_context(
-    contexts: Sequence[tuple[torch.Tensor, int] | None], feature_dim: int | None
+    contexts: Sequence[tuple[torch.Tensor, int] | None], feature_dim: int | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """[B, L, F] features, [B, L] positions and [B, L] mask from per-request (features, start)."""
+    """[B, L, F] features, [B, L] positions and [B, L] mask (on `device`) from per-request (features, start)."""
     lengths = [0 if c is None else int(c[0].shape[0]) for c in contexts]
     dims = {int(c[0].shape[-1]) for c in contexts if c is not None}
     if feature_dim is None:
@@ -135,14 +174,14 @@ def _pad_context(
             raise ValueError("context_features are all empty: pass feature_dim")
         feature_dim = dims.pop()
     b, length = len(contexts), max(lengths, default=0)
-    features = torch.zeros((b, length, feature_dim), dtype=torch.float32)
+    features = torch.zeros((b, length, feature_dim), dtype=torch.float32, device=device)
     positions = torch.zeros((b, length), dtype=torch.long)
     mask = torch.zeros((b, length), dtype=torch.bool)
     for i, c in enumerate(contexts):
         if c is None or lengths[i] == 0:
             continue
         feats, start = c
-        features[i, : lengths[i]] = feats.float().cpu()
+        features[i, : lengths[i]] = feats
         positions[i, : lengths[i]] = start + torch.arange(lengths[i])
         mask[i, : lengths[i]] = True
-    return features, positions, mask
+    return features, positions.to(device, non_blocking=True), mask.to(device, non_blocking=True)

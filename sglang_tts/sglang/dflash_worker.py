@@ -129,10 +129,13 @@ class TTSDFlashWorker(DFlashWorkerV2):
             )
         finally:
             self._capturing = False
-        commit_lens = result.accept_lens.tolist()  # read on the host once per round
+        # Read on the host once per round: the next round's context is these lengths' features.
+        # (EAGLE-3 needs no per-round read; see TTSEagleWorker.verify.)
+        commit_lens = result.accept_lens.tolist()
         with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
             self._after_verify(batch, rids, prefix_lens, result, commit_lens)
         self._captured_hidden = None
+        self.tts.count_round(dict(zip(rids, commit_lens)))
         self.tts.report_round(batch.reqs, commit_lens)
         return result
 
@@ -188,12 +191,12 @@ class TTSDFlashWorker(DFlashWorkerV2):
             check_canvas = None
             if self.tts.check_fallback:
                 check_canvas = build_canvas(rows=block_rows(block, commit_lens, "full"), **common)
-            self.tts.observe(canvas, dict(zip(rids, commit_lens)), check_canvas)
+            self.tts.observe(canvas, check_canvas, owned=True)
         else:
-            self.tts.observe(None, dict(zip(rids, commit_lens)))
+            self.tts.observe(None)
 
         # The next round's context: the features of the tokens this round committed.
         if hidden is not None:
             hidden = hidden.view(len(rids), block, -1)
-            for r, rid in enumerate(rids):
-                self.tts.remember_context(rid, hidden[r, : commit_lens[r]], prefix_lens[r])
+            for r, rid in enumerate(rids):  # copies: SGLang reuses the buffer
+                self.tts.remember_context(rid, hidden[r, : commit_lens[r]].clone(), prefix_lens[r])

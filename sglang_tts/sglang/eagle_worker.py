@@ -125,18 +125,34 @@ class TTSEagleWorker(EAGLEWorkerV2):
 
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         verify_input = batch.spec_info
-        seq_lens = batch.seq_lens.tolist() if not batch.forward_mode.is_idle() else []
+        idle = batch.forward_mode.is_idle()
+        capture, seq_lens = self._capture_plan(batch) if not idle else (False, None)
         result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
-        if not batch.forward_mode.is_idle():
+        if not idle:
             tic = time.perf_counter()
             rids = [req.rid for req in batch.reqs]
-            accept_lens = result.accept_lens.tolist()  # read on the host once per round
             with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
-                self._after_verify(batch, verify_input, result, seq_lens, accept_lens)
-            self.tts.report_round(batch.reqs, accept_lens)
+                self._after_verify(batch, verify_input, result, seq_lens, capture)
+            self.tts.verified(batch.reqs)
             if self.tts_controller is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         return result
+
+    def _capture_plan(self, batch) -> tuple[bool, list[int] | None]:
+        """Does this round build a canvas, and from which positions (read before verify moves
+        them)? Only update rounds (and check rounds) read anything on the host: the rest of a
+        round's TTS work stays on the device, and its report waits for SGLang's own host copy."""
+        capture = self.tts.distiller.next_round_submits() or self.tts.check_fallback
+        if not capture:
+            return False, None
+        host = getattr(batch, "seq_lens_cpu", None)  # SGLang's CPU copy, when the batch has one
+        return True, (host if host is not None else batch.seq_lens).tolist()
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        """SGLang's result processing has the round's accepted lengths on the host: report them
+        (per-request counters, meta_info, Prometheus) without a sync in the worker."""
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        self.tts.reported([n + 1 for n in num_correct_drafts_per_req])  # + the bonus token
 
     def _forward_prefill_batch(self, batch, *args, **kwargs):
         result = super()._forward_prefill_batch(batch, *args, **kwargs)
@@ -154,15 +170,16 @@ class TTSEagleWorker(EAGLEWorkerV2):
             return
         extend_lens = list(batch.extend_lens)
         if hidden.shape[0] == len(batch.reqs):
-            last_rows = list(range(len(batch.reqs)))
+            last_rows = torch.arange(len(batch.reqs))
         elif hidden.shape[0] == sum(extend_lens):
-            ends = torch.tensor(extend_lens).cumsum(0) - 1
-            last_rows = ends.tolist()
+            last_rows = torch.tensor(extend_lens).cumsum(0) - 1
         else:
             return
+        # A copy of the last rows only: a view would keep the whole prompt's hidden states alive.
+        anchors = hidden.index_select(0, last_rows.to(hidden.device))
         # A chunked prefill's intermediate chunk is overwritten by the chunk that ends the prompt.
-        for req, row in zip(batch.reqs, last_rows):
-            self.tts.remember_anchor(req.rid, hidden[row])
+        for r, req in enumerate(batch.reqs):
+            self.tts.remember_anchor(req.rid, anchors[r])
 
     def _past_kv(self, batch, seq_lens):
         # Drafter K/V of every position before the anchor (index seq_len - 1 is recomputed).
@@ -174,34 +191,40 @@ class TTSEagleWorker(EAGLEWorkerV2):
             [max(n - 1, 0) for n in seq_lens],
         )
 
-    def _after_verify(self, batch, verify_input, result, seq_lens, accept_lens: list[int]) -> None:
+    def _after_verify(self, batch, verify_input, result, seq_lens: list[int] | None, capture: bool) -> None:
         n = self.speculative_num_draft_tokens
         rids = [req.rid for req in batch.reqs]
-        rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
-        anchors = [self.tts.anchor_features.get(rid) for rid in rids]
-        common = dict(
-            request_ids=rids,
-            draft_tokens=verify_input.draft_token,
-            target_logits=result.logits_output.next_token_logits,
-            seq_lens=seq_lens,
-            anchor_features=anchors,
-            past_kv=self._past_kv(batch, seq_lens),
-            num_accepted=[a - 1 for a in accept_lens],
-            round_index=self.tts.distiller.stats.rounds,
-            device=self.tts.distiller.device,
-        )
-        canvas = None
-        if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and its context K/V)
-            canvas = build_canvas(rows=rows, **common)
-        check_canvas = None
-        if self.tts.check_fallback and self.topk == 1:
-            # The check re-predicts every drafted token, so it needs the whole chain.
-            check_canvas = build_canvas(rows=path_rows(1, n, accept_lens, result.accept_index, "full"), **common)
-        self.tts.observe(canvas, dict(zip(rids, accept_lens)), check_canvas)
+        if capture:
+            accept_lens = result.accept_lens.tolist()  # update (and check) rounds only
+            common = dict(
+                request_ids=rids,
+                draft_tokens=verify_input.draft_token,
+                target_logits=result.logits_output.next_token_logits,
+                seq_lens=seq_lens,
+                anchor_features=[self.tts.anchor_features.get(rid) for rid in rids],
+                past_kv=self._past_kv(batch, seq_lens),
+                num_accepted=[a - 1 for a in accept_lens],
+                round_index=self.tts.distiller.stats.rounds,
+                device=self.tts.distiller.device,
+            )
+            canvas = check_canvas = None
+            if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
+                rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
+                canvas = build_canvas(rows=rows, buffers=self.tts.distiller.capture_buffers(), **common)
+            if self.tts.check_fallback and self.topk == 1:
+                # The check re-predicts every drafted token, so it needs the whole chain.
+                rows = path_rows(1, n, accept_lens, result.accept_index, "full")
+                check_canvas = build_canvas(rows=rows, **common)
+            self.tts.observe(canvas, check_canvas, owned=True)
+        else:
+            self.tts.observe(None)
 
-        # The next round's canvas starts from the feature of the last accepted node
-        # (the accepted path is compacted to the front of each block after verify).
+        # The next round's canvas starts from the feature of the last accepted node (the accepted
+        # path is compacted to the front of each block after verify): gathered on the device.
         hidden = result.logits_output.hidden_states
         if hidden is not None:
+            accept = result.accept_lens.to(hidden.device).long()
+            last = torch.arange(len(rids), device=hidden.device) * n + accept - 1
+            anchors = hidden.index_select(0, last)
             for r, rid in enumerate(rids):
-                self.tts.remember_anchor(rid, hidden[r * n + accept_lens[r] - 1])
+                self.tts.remember_anchor(rid, anchors[r])

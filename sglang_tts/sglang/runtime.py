@@ -12,6 +12,7 @@ import hashlib
 import logging
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,7 @@ class TTSRuntime:
         self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
+        self._unreported: deque[list] = deque(maxlen=4)  # see verified()
         self._last_verify_version = -1
         self.metrics = None
         # --tts-scope request: `drafter` is an AdaptedDrafter, `serving_adapters` its published bank
@@ -117,6 +119,7 @@ class TTSRuntime:
         """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
         published before this round's draft reads the weights."""
         live = set(live_request_ids)
+        live.update(req.rid for reqs in self._unreported for req in reqs)  # their report is still due
         for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
             self._forget(rid)
         self._prefilled.clear()
@@ -176,19 +179,14 @@ class TTSRuntime:
         if self.metrics is not None:
             self.metrics.adapted_requests.set(len(self.slots.slot_of))
 
-    def observe(
-        self, canvas: Canvas | None, accept_lengths: dict[str, int], check_canvas: Canvas | None = None
-    ) -> None:
-        """After verify: record acceptance, hand the canvas to the update schedule (and, in check
-        mode, re-predict `check_canvas`'s drafted tokens with the differentiable drafter)."""
+    def observe(self, canvas: Canvas | None, check_canvas: Canvas | None = None, *, owned: bool = False) -> None:
+        """After verify: hand the canvas to the update schedule (and, in check mode, re-predict
+        `check_canvas`'s drafted tokens with the differentiable drafter). owned: the canvas was
+        built for the update (capture.build_canvas): the update trains on it without a copy."""
         if self.slots is not None:
             for c in (canvas, check_canvas):
                 if c is not None:
                     c.slots = self.slots.slots(c.request_ids).to(c.input_ids.device)
-        for rid in accept_lengths:
-            self.counters(rid).rounds += 1
-        if self.metrics is not None:
-            self.metrics.observe_round(accept_lengths)
         # Exact only if no new weights were published since SGLang drafted this round's first token
         # (in the previous round's draft-extend), and if no update is writing the trained copy now.
         if (
@@ -200,12 +198,42 @@ class TTSRuntime:
         self._last_verify_version = self.distiller.weight_version
         if canvas is not None:
             self.scope.contributed(canvas.request_ids)
-        submitted = self._absorbing(lambda: self.distiller.observe(canvas))
+        submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
         if submitted:
             rows = canvas.request_ids
             if canvas.slots is not None:  # requests without an adapter were not trained
                 rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
             self._pending_rids = list(rows)
+
+    def count_round(self, accept_lengths: dict[str, int]) -> None:
+        """A verify round's acceptance, on the host: per-request round counts and Prometheus."""
+        for rid in accept_lengths:
+            self.counters(rid).rounds += 1
+        if self.metrics is not None:
+            self.metrics.observe_round(accept_lengths)
+
+    # --- reports that wait for SGLang's host copy of the accepted lengths -----------------------
+
+    def verified(self, reqs) -> None:
+        """A verify round was launched for `reqs`; its report comes with `reported()`, when
+        SGLang's result processing has the accepted lengths on the host (on_verify_complete_cpu),
+        so the worker never waits for them. Their counters stay until then."""
+        if len(self._unreported) == self._unreported.maxlen:
+            self._unreported.popleft()  # never reported (should not happen): forget, do not grow
+            self._count_failure("report", [])
+        self._unreported.append(list(reqs))
+
+    def reported(self, accept_lengths: list[int]) -> None:
+        """The oldest unreported round's accepted lengths (bonus included), in its batch order."""
+        if not accept_lengths:
+            return  # an idle batch: it had no verify of ours
+        reqs = self._unreported.popleft() if self._unreported else None
+        if reqs is None or len(reqs) != len(accept_lengths):
+            self._unreported.clear()  # out of step: drop what is queued rather than misattribute
+            self._count_failure("report", [] if reqs is None else [req.rid for req in reqs])
+            return
+        self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
+        self.report_round(reqs, accept_lengths)
 
     def report_round(self, reqs, accept_lengths: list[int]) -> None:
         """This round's per-request values into SGLang's customized_info (-> meta_info); runs even
@@ -219,7 +247,9 @@ class TTSRuntime:
                 tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digest)
 
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
-        self.anchor_features[rid] = feature.detach().float().cpu().clone()
+        """Keep `feature` (on its device, as it is) for the request's next canvas. It must be the
+        caller's own copy, never a view of a buffer SGLang reuses (e.g. a CUDA graph's output)."""
+        self.anchor_features[rid] = feature.detach()
 
     def remember_context(self, rid: str, features: torch.Tensor, start: int) -> None:
         self.remember_anchor(rid, features)

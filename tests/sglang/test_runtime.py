@@ -47,7 +47,8 @@ def _round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> 
     canvas.request_ids = list(live)
     for rid in live:
         runtime.remember_anchor(rid, torch.zeros(4))
-    runtime.observe(canvas, dict.fromkeys(live, 2))
+    runtime.count_round(dict.fromkeys(live, 2))
+    runtime.observe(canvas)
 
 
 def test_rolling_traffic_resets_the_batch_drafter_and_counts_every_reset(monkeypatch):
