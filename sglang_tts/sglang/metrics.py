@@ -1,14 +1,23 @@
 """Observability: per-request TTS counters in meta_info, and server-wide Prometheus metrics.
 
-Per request, the worker writes token-aligned lists into `req.customized_info` (SGLang's own
-channel from scheduler to meta_info, sliced by output token, so streaming works too):
-- `tts_num_updates`, `tts_num_skipped_updates`, `tts_update_ms`, `tts_fallback_checked/_mismatches`:
-  cumulative values at each token; a tokenizer-side hook turns them into the final scalar.
-- `tts_failures`: TTS work that failed in this request's rounds and was skipped (failures.py).
-- `tts_accept_lengths` (only when the request sets `custom_params.tts_return_accept_lengths`):
-  the accepted length of each verify round, bonus token included (SGLang's convention).
-  Per token the value is the round's length at the round's first token and None elsewhere; the
-  hook drops the Nones, leaving one entry per round.
+Per request, the worker writes into `req.customized_info` (SGLang's channel from scheduler to
+meta_info) after every round; a tokenizer-side hook turns it into the documented meta_info keys.
+Nothing written for the counters grows with the output:
+- the counters (`tts_num_updates`, `tts_num_skipped_updates`, `tts_update_ms`,
+  `tts_fallback_checked/_mismatches`, `tts_adapter_capped`, `tts_failures`) and the opt-in weight
+  digests are one snapshot per round, of which only the last few rounds are kept (ROUNDS_KEPT),
+  each with the output tokens it covers, so the value at the response's last token can be picked;
+- a non-streamed request keeps them under a request-level key (ROUNDS_KEY): SGLang sends it once,
+  when the request finishes, as it is (`is_request_level_customized_info_key`, hooked below);
+- a streamed request cannot use that key: SGLang sends a request-level key of a stream only with
+  its first chunk (the values at prefill), and every later chunk, the final one included, would lack
+  the counters. Its rounds go under a token-level key (STREAM_KEY) instead, as a `StreamedRounds`
+  whose slice (SGLang takes `[sent : len(output_ids)]` for each chunk) is one element: the snapshot
+  at the chunk's last token. Every chunk thus reports the counters at its last token, as before.
+`tts_accept_lengths` (only when the request sets `custom_params.tts_return_accept_lengths`) stays
+token-aligned: the accepted length of each verify round, bonus token included (SGLang's
+convention), at the round's first token and None elsewhere; the hook drops the Nones, leaving one
+entry per round. It is what a client asked for, and grows with the output as the answer does.
 Server-wide (with --enable-metrics): counters and histograms named `sglang_tts:*`.
 """
 
@@ -16,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req
@@ -39,16 +48,69 @@ ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
 # audits: proves that weights changed during a request and were reset to base bitwise after it).
 DIGEST_START, DIGEST_END = "tts_weight_digest_start", "tts_weight_digest_end"
+# customized_info keys that never reach a response: the hook turns them into the keys above.
+ROUNDS_KEY = "tts_rounds"  # non-streamed requests: request-level, sent once at the finish
+STREAM_KEY = "tts_stream_rounds"  # streamed requests: token-level, one snapshot per chunk
+INTERNAL_KEYS = (ROUNDS_KEY, STREAM_KEY)
+# Rounds kept per request. The value reported is that of the round covering the response's last
+# token: the latest round, or the one before it when the overlap scheduler already ran one more
+# round for a request that had finished (SGLang drops that round's tokens). Four is a margin.
+ROUNDS_KEPT = 4
+
+# (start, end, snapshot): a round's values, which apply to output tokens start..end-1
+Round = tuple[int, int, dict[str, Any]]
+
+
+def _add_round(rounds: list[Round], accept_len: int, already: int, snapshot: dict[str, Any]) -> None:
+    """Rounds cover the output back to back from token 0 (the prefill token, which no round of ours
+    produced, takes the first round's values). Under the overlap scheduler output_ids can lag a round
+    behind the worker, so the prefill token may not be visible yet at the first round: `already`
+    (tokens in output_ids, at least the prefill one) only ever extends a round's start backwards."""
+    start = rounds[-1][1] if rounds else 0
+    rounds.append((start, max(start, already) + accept_len, snapshot))
+    del rounds[:-ROUNDS_KEPT]
+
+
+def snapshot_at(rounds: list[Round], token: int) -> dict[str, Any] | None:
+    """The values at output token `token` (0-based): those of the last round starting at or before it."""
+    if token < 0 or not rounds:
+        return None
+    for start, _end, snapshot in reversed(rounds):
+        if start <= token:
+            return snapshot
+    return rounds[0][2]
+
+
+class StreamedRounds:
+    """A streamed request's rounds under a token-level customized_info key. SGLang slices a
+    token-level value by token offset for each chunk (`value[sent : len(output_ids)]`); this one
+    answers the slice with one element, the snapshot at the slice's last token, and keeps only the
+    last ROUNDS_KEPT rounds, so nothing here grows with the output."""
+
+    __slots__ = ("rounds",)
+
+    def __init__(self) -> None:
+        self.rounds: list[Round] = []
+
+    def __len__(self) -> int:
+        return self.rounds[-1][1] if self.rounds else 0
+
+    def __getitem__(self, index: slice) -> list[dict[str, Any]]:
+        if not isinstance(index, slice):
+            raise TypeError("StreamedRounds is read by slices of output tokens")
+        stop = len(self) if index.stop is None else index.stop
+        snapshot = snapshot_at(self.rounds, stop - 1)
+        return [] if snapshot is None else [snapshot]
 
 
 def write_request_info(
     req: Req, counters: RequestCounters, accept_len: int, options: RequestOptions, digest: str | None = None
 ) -> None:
-    """Append this round's values for the `accept_len` tokens it produced."""
+    """Record this round's values for the `accept_len` tokens it produced."""
     if req.customized_info is None:
         req.customized_info = {}
     info = req.customized_info
-    values = {
+    snapshot: dict[str, Any] = {
         "tts_num_updates": counters.num_updates,
         "tts_num_skipped_updates": counters.num_skipped_updates,
         "tts_update_ms": round(counters.update_ms, 3),
@@ -60,50 +122,75 @@ def write_request_info(
     if digest is not None:
         if counters.digest_start is None:
             counters.digest_start = digest
-        values[DIGEST_START] = counters.digest_start
-        values[DIGEST_END] = digest
-    # Align with the request's output tokens: SGLang slices these lists by token offset. The first
-    # token always comes from prefill (no round of ours); under the overlap scheduler output_ids can
-    # lag a round behind the worker, so the prefill token may not be visible yet at the first round.
+        snapshot[DIGEST_START] = counters.digest_start
+        snapshot[DIGEST_END] = digest
     already = max(len(req.output_ids) if req.output_ids is not None else 0, 1)
-    for key, value in values.items():
-        column = info.setdefault(key, [])
-        if len(column) < already:
-            column.extend([value] * (already - len(column)))
-        column.extend([value] * accept_len)
+    if getattr(req, "stream", False):
+        column = info.get(STREAM_KEY)
+        if column is None:
+            column = info[STREAM_KEY] = StreamedRounds()
+        rounds = column.rounds
+    else:
+        rounds = info.setdefault(ROUNDS_KEY, [])
+    _add_round(rounds, accept_len, already, snapshot)
     if options.accept_lengths:
+        # Token-aligned, as SGLang slices it: the same token positions as the rounds'.
         column = info.setdefault(ACCEPT_KEY, [])
         if len(column) < already:
             column.extend([None] * (already - len(column)))
         column.extend([accept_len] + [None] * (accept_len - 1))
 
 
-def finalize_meta_info(meta_info: dict) -> None:
-    """Token-aligned lists (as the tokenizer accumulates them) -> the values a response reports."""
-    picks = {key: -1 for key in (*SCALAR_KEYS, DIGEST_END)} | {DIGEST_START: 0, ACCEPT_KEY: None}
-    for key, pick in picks.items():
-        values = meta_info.get(key)
-        if not isinstance(values, list):
-            continue
-        tokens = meta_info.get("completion_tokens")
+def finalize_meta_info(meta_info: dict, internal: dict[str, Any] | None = None) -> None:
+    """What the tokenizer received for a request -> the values a response reports.
+
+    `internal`: this output's values of INTERNAL_KEYS (ROUNDS_KEY: the request's last rounds;
+    STREAM_KEY: one snapshot per chunk, or SGLang's padding for a request without one).
+    `meta_info[ACCEPT_KEY]`: the token-aligned accepted lengths as the tokenizer accumulates them."""
+    tokens = meta_info.get("completion_tokens")
+    internal = internal or {}
+    snapshot = None
+    rounds = internal.get(ROUNDS_KEY)
+    if rounds:
+        # Under the overlap scheduler (DFLASH keeps it on CPU) the worker already ran the next round
+        # when a request finished; SGLang drops that round's tokens, and its values go too.
+        snapshot = snapshot_at(rounds, tokens - 1) if isinstance(tokens, int) else rounds[-1][2]
+    streamed = internal.get(STREAM_KEY)
+    if snapshot is None and streamed:
+        snapshot = next((s for s in reversed(streamed) if isinstance(s, dict)), None)
+    if snapshot is not None or internal:
+        # A request without a round in a batch whose others had some reports zeros, as before.
+        for key in SCALAR_KEYS:
+            meta_info[key] = snapshot.get(key, 0) if snapshot is not None else 0
+        if snapshot is not None and DIGEST_START in snapshot:
+            meta_info[DIGEST_START] = snapshot[DIGEST_START]
+            meta_info[DIGEST_END] = snapshot[DIGEST_END]
+    values = meta_info.get(ACCEPT_KEY)
+    if isinstance(values, list):
         if isinstance(tokens, int) and len(values) > tokens:
-            # Under the overlap scheduler (DFLASH keeps it on CPU) the worker already ran the next
-            # round when a request finished; SGLang drops that round's tokens, and its values go too.
-            values = values[:tokens]
-        present = [v for v in values if v is not None]
-        if pick is None:
-            meta_info[key] = present
-        elif present:
-            meta_info[key] = present[pick]
-        else:
-            meta_info[key] = 0 if key in SCALAR_KEYS else None
+            values = values[:tokens]  # the rounds after the finish (above) go here too
+        meta_info[ACCEPT_KEY] = [v for v in values if v is not None]
 
 
-def update_request_meta_info_hook(original, manager, meta_info, *args, **kwargs):
-    """AROUND hook on TokenizerManager.update_request_meta_info."""
-    out = original(manager, meta_info, *args, **kwargs)
-    finalize_meta_info(meta_info)
+def update_request_meta_info_hook(
+    original, manager, meta_info: dict, state, customized_info: dict, index: int, *args, **kwargs
+):
+    """AROUND hook on TokenizerManager.update_request_meta_info: SGLang accumulates every
+    customized_info key per request (a list per key, for the request's lifetime); TTS's internal
+    keys are taken out first, so the tokenizer keeps none of them, and turned into the documented
+    keys of this output's meta_info."""
+    internal = {key: customized_info[key][index] for key in INTERNAL_KEYS if key in customized_info}
+    if internal:
+        customized_info = {key: values for key, values in customized_info.items() if key not in INTERNAL_KEYS}
+    out = original(manager, meta_info, state, customized_info, index, *args, **kwargs)
+    finalize_meta_info(meta_info, internal)
     return out
+
+
+def request_level_key_hook(original, streamer, key: str) -> bool:
+    """AROUND hook on SchedulerOutputStreamer.is_request_level_customized_info_key: ROUNDS_KEY is
+    sent once per non-streamed request (at its finish), not sliced by output token."""
+    return key == ROUNDS_KEY or original(streamer, key)
 
 
 class SchedulerMetrics:
@@ -188,9 +275,13 @@ def scheduler_metrics() -> SchedulerMetrics | None:
         return None
 
 
+TOKENIZER_META_INFO = "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info"
+REQUEST_LEVEL_KEY = (
+    "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+    ".is_request_level_customized_info_key"
+)
+
+
 def register_hooks(registry, hook_type) -> None:
-    registry.register(
-        "sglang.srt.managers.tokenizer_manager.TokenizerManager.update_request_meta_info",
-        update_request_meta_info_hook,
-        hook_type.AROUND,
-    )
+    registry.register(TOKENIZER_META_INFO, update_request_meta_info_hook, hook_type.AROUND)
+    registry.register(REQUEST_LEVEL_KEY, request_level_key_hook, hook_type.AROUND)
