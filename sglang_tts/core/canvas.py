@@ -118,6 +118,29 @@ class Canvas:
             raise ValueError("features must have the batch dimension first")
 
 
+def _storage(cells: int, vocab: int, feature_shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:
+    """Flat storage for `cells` canvas positions (and as many feature rows), outside inference mode."""
+    with torch.inference_mode(False):
+        return {
+            "input_ids": torch.zeros(cells, dtype=torch.long, device=device),
+            "positions": torch.zeros(cells, dtype=torch.long, device=device),
+            "valid": torch.zeros(cells, dtype=torch.bool, device=device),
+            "target_logits": torch.zeros(cells, vocab, dtype=torch.float32, device=device),
+            "features": torch.zeros(cells, *feature_shape, dtype=torch.float32, device=device),
+        }
+
+
+def _views(store: dict[str, torch.Tensor], b: int, c: int) -> dict[str, torch.Tensor]:
+    cells = b * c
+    return {
+        "input_ids": store["input_ids"][:cells].view(b, c),
+        "positions": store["positions"][:cells].view(b, c),
+        "valid": store["valid"][:cells].view(b, c),
+        "target_logits": store["target_logits"][:cells].view(b, c, -1),
+        "features": store["features"][:b],
+    }
+
+
 class CanvasBuffers:
     """Preallocated storage, on the update's device, for the fixed-shape fields of update canvases.
 
@@ -142,24 +165,17 @@ class CanvasBuffers:
         cells, key = b * c, (vocab, tuple(feature_shape))
         if cells > self._rows or key != self._key:
             rows = 1 << max(cells - 1, 0).bit_length()
-            with torch.inference_mode(False):
-                self._store = {
-                    "input_ids": torch.zeros(rows, dtype=torch.long, device=self.device),
-                    "positions": torch.zeros(rows, dtype=torch.long, device=self.device),
-                    "valid": torch.zeros(rows, dtype=torch.bool, device=self.device),
-                    "target_logits": torch.zeros(rows, vocab, dtype=torch.float32, device=self.device),
-                    "features": torch.zeros(rows, *feature_shape, dtype=torch.float32, device=self.device),
-                }
+            self._store = _storage(rows, vocab, tuple(feature_shape), self.device)
             self._rows, self._key = rows, key
             self.num_allocations += 1
-        s = self._store
-        return {
-            "input_ids": s["input_ids"][:cells].view(b, c),
-            "positions": s["positions"][:cells].view(b, c),
-            "valid": s["valid"][:cells].view(b, c),
-            "target_logits": s["target_logits"][:cells].view(b, c, vocab),
-            "features": s["features"][:b],
-        }
+        return _views(self._store, b, c)
+
+    @staticmethod
+    def fresh(
+        b: int, c: int, vocab: int, feature_shape: tuple[int, ...], device: torch.device | str
+    ) -> dict[str, torch.Tensor]:
+        """The same views on storage of their own (a canvas that is not an update's, e.g. a check)."""
+        return _views(_storage(b * c, vocab, tuple(feature_shape), torch.device(device)), b, c)
 
     def storage_pointers(self) -> dict[str, int]:
         """data_ptr of each stored tensor (tests: the storage does not move once warm)."""

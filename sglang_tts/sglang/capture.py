@@ -89,20 +89,11 @@ def build_canvas(
         positions += range(seq_lens[r], seq_lens[r] + c)  # RoPE positions keep increasing in padding
         valid += [True] * n + [False] * (c - n)
     with torch.inference_mode(False), torch.no_grad():
-        if anchor_features is not None:
-            feature_shape = tuple(anchor_features[keep[0]].shape)
-        else:
-            feature_shape = ()
+        feature_shape = tuple(anchor_features[keep[0]].shape) if anchor_features is not None else ()
         if buffers is not None and anchor_features is not None:
             out = buffers.views(b, c, vocab, feature_shape)
         else:
-            out = {
-                "input_ids": torch.empty((b, c), dtype=torch.long, device=device),
-                "positions": torch.empty((b, c), dtype=torch.long, device=device),
-                "valid": torch.empty((b, c), dtype=torch.bool, device=device),
-                "target_logits": torch.empty((b, c, vocab), dtype=torch.float32, device=device),
-                "features": torch.empty((b, *feature_shape), dtype=torch.float32, device=device),
-            }
+            out = CanvasBuffers.fresh(b, c, vocab, feature_shape, device)
         index = torch.tensor(flat, dtype=torch.long).to(target_logits.device, non_blocking=True)
         out["input_ids"].view(-1).copy_(draft_tokens.index_select(0, index.to(draft_tokens.device)))
         logits_out = out["target_logits"].view(b * c, vocab)

@@ -135,7 +135,6 @@ class TTSDFlashWorker(DFlashWorkerV2):
         with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
             self._after_verify(batch, rids, prefix_lens, result, commit_lens)
         self._captured_hidden = None
-        self.tts.count_round(dict(zip(rids, commit_lens)))
         self.tts.report_round(batch.reqs, commit_lens)
         return result
 

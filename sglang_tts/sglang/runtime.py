@@ -232,13 +232,14 @@ class TTSRuntime:
             self._unreported.clear()  # out of step: drop what is queued rather than misattribute
             self._count_failure("report", [] if reqs is None else [req.rid for req in reqs])
             return
-        self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
         self.report_round(reqs, accept_lengths)
 
     def report_round(self, reqs, accept_lengths: list[int]) -> None:
-        """This round's per-request values into SGLang's customized_info (-> meta_info); runs even
-        when the capture failed, so every round a request was served in is reported.
+        """This round's acceptance on the host: counted (count_round), and the per-request values
+        written into SGLang's customized_info (-> meta_info); runs even when the capture failed, so
+        every round a request was served in is reported.
         accept_lengths: [bs] tokens each request committed this round (bonus included)."""
+        self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
         with self.failures.absorb("report", [req.rid for req in reqs]):
             allow_digest = self.config.allow_weight_digest
             for req, accept_len in zip(reqs, accept_lengths):

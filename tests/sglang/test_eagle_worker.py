@@ -5,14 +5,12 @@ stop moving once the largest batch has been seen; reports wait for SGLang's host
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from sglang_testing import core
 
 from sglang_tts.config import TTSConfig
 from sglang_tts.sglang.eagle_worker import TTSEagleWorker
@@ -20,21 +18,6 @@ from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import TTSRuntime
 
 N = 4  # draft tokens per request (chain of 3 + the verified token)
-
-
-def _core_testing():
-    """tests/core/core_testing.py (the tiny drafter the core tests use)."""
-    if "core_testing" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "core_testing", Path(__file__).parents[1] / "core" / "core_testing.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["core_testing"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["core_testing"]
-
-
-core = _core_testing()
 
 
 class _Req:

@@ -3,33 +3,16 @@ Prometheus counters see every reset, skipped update and failed publish."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import deque
-from pathlib import Path
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
+from sglang_testing import core
 
 from sglang_tts.config import TTSConfig
 from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import FAULT_ENV, TTSRuntime
-
-
-def _core_testing():
-    """tests/core/core_testing.py (the tiny drafter and canvases the core tests use)."""
-    if "core_testing" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(
-            "core_testing", Path(__file__).parents[1] / "core" / "core_testing.py"
-        )
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["core_testing"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["core_testing"]
-
-
-core = _core_testing()
 
 
 def _runtime(monkeypatch, faults: str = "", **config) -> tuple[TTSRuntime, CollectorRegistry]:
