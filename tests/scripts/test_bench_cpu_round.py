@@ -3,22 +3,15 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[2]
+from scripts_testing import load_script
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_cpu_round", REPO / "scripts" / "bench_cpu_round.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_cpu_round")
 
 
 def _records(phase: str, mode: str, values: list[float], **extra) -> list[dict]:

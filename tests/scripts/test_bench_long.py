@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from scripts_testing import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ["eagle3:frozen", "eagle3:tts-s1", "dflash:frozen", "dflash:tts-s1"]
@@ -84,12 +85,7 @@ def test_report_and_plots_are_written(smoke_run):
 
 
 def _script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_long", REPO / "scripts" / "bench_long.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_long")
 
 
 def test_from_json_rerenders_without_servers(tmp_path, capsys):

@@ -3,23 +3,17 @@ table and files, checked end to end on the tiny looping pair (two real servers, 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
+from scripts_testing import load_script
 
 from sglang_tts.bench.demo import Answer, DemoResult, render
 from sglang_tts.drafters.shipped import write_compact
 
-REPO = Path(__file__).resolve().parents[2]
-
 
 def _demo():
-    spec = importlib.util.spec_from_file_location("demo_script", REPO / "scripts" / "demo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("demo", "demo_script")
 
 
 def _result(frozen_lengths, tts_lengths, text="one two three four five six seven eight nine ten " * 4):

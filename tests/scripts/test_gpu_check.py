@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from scripts_testing import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
@@ -21,11 +22,7 @@ KERNELS = {"kernel_linear_kl", "kernel_gather_draft", "kernel_lowrank_delta"}
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module's annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return load_script("gpu_check")
 
 
 def _run(args: list[str], code: str | None = None) -> subprocess.CompletedProcess:

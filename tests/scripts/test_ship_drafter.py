@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
-from pathlib import Path
 
 import pytest
 from safetensors import safe_open
-
-REPO = Path(__file__).resolve().parents[2]
+from scripts_testing import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("ship_drafter_script", REPO / "scripts" / "ship_drafter.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("ship_drafter", "ship_drafter_script")
 
 
 def test_ships_the_trained_drafter_in_fp16_with_both_commands(tmp_path, monkeypatch, tiny_eagle3):

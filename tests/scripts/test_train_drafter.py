@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from scripts_testing import load_script
 
 from sglang_tts.bench.server import sglang_server
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt
@@ -101,11 +102,7 @@ def test_trained_tiny_drafter_serves_in_stock_sglang(kind, trained, loopy_llama,
 
 
 def test_workloads_flag_trains_on_the_held_in_mix():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("train_drafter", REPO / "scripts" / "train_drafter.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("train_drafter")
     parser = script.build_parser()
     request = script.request_from_args(parser.parse_args(["--workloads", "--max-prompt-len", "6600"]))
     assert request.data.source == "workloads:held-in" and request.data.max_prompt_tokens == 6600
