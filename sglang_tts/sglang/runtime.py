@@ -239,8 +239,8 @@ class TTSRuntime:
         written into SGLang's customized_info (-> meta_info); runs even when the capture failed, so
         every round a request was served in is reported.
         accept_lengths: [bs] tokens each request committed this round (bonus included)."""
-        self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
         with self.failures.absorb("report", [req.rid for req in reqs]):
+            self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
             allow_digest = self.config.allow_weight_digest
             for req, accept_len in zip(reqs, accept_lengths):
                 options = request_options(req, allow_digest)

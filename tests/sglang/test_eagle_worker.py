@@ -171,3 +171,18 @@ def test_reports_wait_for_the_host_copy_and_never_misattribute():
     assert runtime.counters("r0").failures == 1
     runtime.before_draft([])
     assert runtime.num_tracked() == 0
+
+
+def test_a_failing_report_never_reaches_sglangs_result_processing():
+    generator = torch.Generator().manual_seed(0)
+    worker = _worker(stride=1_000, context_reads=[])
+    batch, verify_input, result = _verify_outputs(generator, 2, context=10)
+    _round(worker, batch, verify_input, result)
+
+    def broken(accept_lengths):
+        raise RuntimeError("injected: Prometheus is broken")
+
+    worker.tts.metrics.observe_round = broken
+    worker.on_verify_complete_cpu([1, 2], batch_size=2)  # must not raise into SGLang's scheduler
+    assert {site: n for site, n in worker.tts.failures.counts.items() if n} == {"report": 1}
+    assert [worker.tts.counters(rid).failures for rid in ("r0", "r1")] == [1, 1]
