@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--max-len", type=int, default=None, help="max new tokens per answer (default 256)")
     data.add_argument("--max-prompt-len", type=int, default=None, help="skip longer prompts (default 256 tokens)")
     data.add_argument("--gen-batch-size", type=int, default=None, help="generation batch (default 16)")
+    data.add_argument(
+        "--gen-batch-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens per generation batch, padding included: long prompts batch small (default 16384)",
+    )
     data.add_argument("--eval-sequences", type=int, default=None, help="held-out sequences (default 16)")
     data.add_argument("--cache-dir", type=Path, default=None, help="data cache (default <cache>/drafters/data)")
     train = parser.add_argument_group("training")
@@ -111,6 +117,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         max_new_tokens=args.max_len,
         max_prompt_tokens=args.max_prompt_len,
         batch_size=args.gen_batch_size,
+        batch_prompt_tokens=args.gen_batch_tokens,
         seed=args.seed,
     )
     request.optim = _set(request.optim, lr=args.lr, schedule=args.schedule)

@@ -46,6 +46,7 @@ class DataConfig:
     max_prompt_tokens: int = 256  # longer prompts are skipped
     seed: int = 0
     batch_size: int = 16  # generation batch
+    batch_prompt_tokens: int = 16384  # ...and at most this many prompt tokens per batch (long prompts batch small)
     instruction: str | None = DEFAULT_INSTRUCTION
 
 
@@ -178,6 +179,24 @@ def greedy_answers(
     return answers
 
 
+def generation_batches(
+    todo: list[tuple[str, list[int]]], batch_size: int, batch_prompt_tokens: int
+) -> Iterator[list[tuple[str, list[int]]]]:
+    """Consecutive batches of at most batch_size prompts whose padded size (batch x longest prompt)
+    stays within batch_prompt_tokens; a prompt longer than the budget goes alone."""
+    start = 0
+    while start < len(todo):
+        end = start + 1
+        longest = len(todo[start][1])
+        while end < len(todo) and end - start < batch_size:
+            longest = max(longest, len(todo[end][1]))
+            if (end - start + 1) * longest > batch_prompt_tokens:
+                break
+            end += 1
+        yield todo[start:end]
+        start = end
+
+
 def build_sequence_set(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -188,7 +207,8 @@ def build_sequence_set(
 ) -> SequenceSet:
     """Generate (or load from cache / resume) the training set; see the module docstring."""
     meta = {"format": DATA_FORMAT, "target": target_identity(target_path), **asdict(cfg)}
-    meta.pop("batch_size")  # does not change the greedy answers' meaning
+    meta.pop("batch_size")  # neither changes the greedy answers' meaning
+    meta.pop("batch_prompt_tokens")
     cache_file = cache_dir / f"{target_path.name}-seqs-{fingerprint(meta)}.pt"
 
     done: dict[str, tuple[torch.Tensor, int]] = {}
@@ -215,8 +235,7 @@ def build_sequence_set(
     bar = tqdm(
         total=len(encoded), initial=len(encoded) - len(todo), desc="generating", unit="prompt", disable=not progress
     )
-    for start in range(0, len(todo), cfg.batch_size):
-        chunk = todo[start : start + cfg.batch_size]
+    for chunk in generation_batches(todo, cfg.batch_size, cfg.batch_prompt_tokens):
         answers = greedy_answers(model, [ids for _, ids in chunk], cfg.max_new_tokens, pad_id, eos_ids)
         for (key, ids), answer in zip(chunk, answers):
             done[key] = (torch.tensor(ids + answer, dtype=torch.long), len(ids))

@@ -12,6 +12,7 @@ from sglang_tts.training import data as data_module
 from sglang_tts.training.data import (
     DataConfig,
     build_sequence_set,
+    generation_batches,
     prompt_pool,
     prompt_token_ids,
     write_prompt_split,
@@ -74,6 +75,22 @@ def test_other_settings_get_their_own_cache(tiny_target, data_config, tmp_path):
     got = build_sequence_set(tiny_target.model, tiny_target.tokenizer, tiny_target.path, short, tmp_path, False)
     assert len(got) == 2 and all(len(i) - s <= 5 for i, s in zip(got.ids, got.prompt_lens))
     assert len(list(tmp_path.glob("*-seqs-*.pt"))) == 1
+
+
+def test_generation_batches_keep_padded_prompt_tokens_within_the_budget():
+    lengths = [100, 120, 300, 900, 1000, 5000, 6600, 6600]
+    todo = [(f"p{i}", [0] * n) for i, n in enumerate(lengths)]
+    batches = [[key for key, _ in chunk] for chunk in generation_batches(todo, batch_size=3, batch_prompt_tokens=2000)]
+    # in order, every prompt once; at most 3 a batch; batch x longest <= 2000 unless a prompt is alone
+    assert batches == [["p0", "p1", "p2"], ["p3", "p4"], ["p5"], ["p6"], ["p7"]]
+    assert [key for b in batches for key in b] == [key for key, _ in todo]
+
+
+def test_the_generation_batch_does_not_name_the_cache(tiny_target, data_config, data_cache):
+    """Batch size and token budget do not change what the greedy answers mean: same cache file."""
+    small = replace(data_config, batch_size=1, batch_prompt_tokens=1)
+    again = build_sequence_set(tiny_target.model, tiny_target.tokenizer, tiny_target.path, small, data_cache, False)
+    assert again.meta["cache"] == str(next(data_cache.glob("*-seqs-*.pt")))
 
 
 def test_split_is_seeded_and_disjoint(sequences):
