@@ -118,10 +118,13 @@ class TTSDFlashWorker(DFlashWorkerV2):
             self.tts.before_draft(rids)
             self.tts.bind_batch(batch.reqs)
             self._after_publish()
-        prefix_lens = batch.seq_lens.tolist()
-        # Update (and check) rounds need the target's full verify logits, which SGLang may skip
-        # for all-greedy batches under tensor parallelism (it then gathers only the argmax).
-        self._need_verify_logits = self.tts.distiller.next_round_submits() or self.tts.check_fallback
+        # Update (and check) rounds read lengths on the host; other rounds keep everything on the
+        # device and leave the report to SGLang's host copy (on_verify_complete_cpu).
+        capture = self.tts.distiller.next_round_submits() or self.tts.check_fallback
+        # Those rounds need the target's full verify logits, which SGLang may skip for all-greedy
+        # batches under tensor parallelism (it then gathers only the argmax).
+        self._need_verify_logits = capture
+        prefix_lens = batch.seq_lens.clone()  # [bs] positions of the blocks (verify moves seq_lens)
         self._capturing, self._captured_hidden = True, None
         try:
             result = super().forward_batch_generation(
@@ -129,14 +132,18 @@ class TTSDFlashWorker(DFlashWorkerV2):
             )
         finally:
             self._capturing = False
-        # Read on the host once per round: the next round's context is these lengths' features.
-        # (EAGLE-3 needs no per-round read; see TTSEagleWorker.verify.)
-        commit_lens = result.accept_lens.tolist()
         with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
-            self._after_verify(batch, rids, prefix_lens, result, commit_lens)
+            self._after_verify(batch, rids, prefix_lens, result, capture)
         self._captured_hidden = None
-        self.tts.report_round(batch.reqs, commit_lens)
+        self.tts.verified(batch.reqs)
         return result
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req: list[int], batch_size: int = 0) -> None:
+        """SGLang's result processing has the round's committed lengths on the host: report them
+        (per-request counters, meta_info, Prometheus) without a sync in the worker."""
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
+        with self.tts.failures.absorb("report"):  # runs in SGLang's result processing: never raises
+            self.tts.reported([n + 1 for n in num_correct_drafts_per_req])  # + the bonus token
 
     def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
         return not self._need_verify_logits and super()._can_skip_verify_logits(batch, sampling_info)
@@ -165,37 +172,48 @@ class TTSDFlashWorker(DFlashWorkerV2):
             ends,
         )
 
-    def _after_verify(self, batch, rids, prefix_lens, result, commit_lens: list[int]) -> None:
+    def _after_verify(self, batch, rids, prefix_lens: torch.Tensor, result, capture: bool) -> None:
+        """prefix_lens: [bs] device positions of this round's blocks."""
         block = int(self.block_size)
         hidden = self._captured_hidden
-        logits = result.logits_output.next_token_logits if result.logits_output is not None else None
-        contexts = [self.tts.recent_context(rid, prefix_lens[r]) for r, rid in enumerate(rids)]
-        if logits is not None and hidden is not None:
-            draft_tokens = self._draft_block_tokens_buf[: len(rids)].reshape(-1)
-            common = dict(
-                request_ids=rids,
-                draft_tokens=draft_tokens,
-                target_logits=logits,
-                seq_lens=prefix_lens,
-                context_features=contexts,
-                feature_dim=self._feature_dim,
-                past_kv=self._past_kv(batch, [prefix_lens[r] if c is None else c[1] for r, c in enumerate(contexts)]),
-                num_accepted=[n - 1 for n in commit_lens],
-                round_index=self.tts.distiller.stats.rounds,
-                device=self.tts.distiller.device,
-            )
-            canvas = None
-            if self.tts.distiller.next_round_submits():
-                canvas = build_canvas(rows=block_rows(block, commit_lens, self.tts.config.canvas), **common)
-            check_canvas = None
-            if self.tts.check_fallback:
-                check_canvas = build_canvas(rows=block_rows(block, commit_lens, "full"), **common)
-            self.tts.observe(canvas, check_canvas, owned=True)
+        if capture:
+            self._submit(batch, rids, prefix_lens.tolist(), result, hidden)  # host reads: canvas rounds only
         else:
             self.tts.observe(None)
-
-        # The next round's context: the features of the tokens this round committed.
+        # The next round's context: the features of the tokens this round committed. One copy of
+        # the block (SGLang reuses its buffers); how many rows count stays on the device.
         if hidden is not None:
-            hidden = hidden.view(len(rids), block, -1)
-            for r, rid in enumerate(rids):  # copies: SGLang reuses the buffer
-                self.tts.remember_context(rid, hidden[r, : commit_lens[r]].clone(), prefix_lens[r])
+            blocks = hidden.view(len(rids), block, -1).clone()
+            commit_lens = result.accept_lens.to(prefix_lens.dtype, copy=True)
+            for r, rid in enumerate(rids):
+                self.tts.remember_context(rid, blocks[r], prefix_lens[r], commit_lens[r])
+
+    def _submit(self, batch, rids, prefix_lens: list[int], result, hidden) -> None:
+        """An update (or check) round: the canvas of this round's blocks."""
+        block = int(self.block_size)
+        logits = result.logits_output.next_token_logits if result.logits_output is not None else None
+        if logits is None or hidden is None:
+            self.tts.observe(None)
+            return
+        commit_lens = result.accept_lens.tolist()
+        contexts = self.tts.recent_contexts(rids, prefix_lens)
+        draft_tokens = self._draft_block_tokens_buf[: len(rids)].reshape(-1)
+        common = dict(
+            request_ids=rids,
+            draft_tokens=draft_tokens,
+            target_logits=logits,
+            seq_lens=prefix_lens,
+            context_features=contexts,
+            feature_dim=self._feature_dim,
+            past_kv=self._past_kv(batch, [prefix_lens[r] if c is None else c[1] for r, c in enumerate(contexts)]),
+            num_accepted=[n - 1 for n in commit_lens],
+            round_index=self.tts.distiller.stats.rounds,
+            device=self.tts.distiller.device,
+        )
+        canvas = None
+        if self.tts.distiller.next_round_submits():
+            canvas = build_canvas(rows=block_rows(block, commit_lens, self.tts.config.canvas), **common)
+        check_canvas = None
+        if self.tts.check_fallback:
+            check_canvas = build_canvas(rows=block_rows(block, commit_lens, "full"), **common)
+        self.tts.observe(canvas, check_canvas, owned=True)

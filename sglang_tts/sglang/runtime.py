@@ -76,9 +76,11 @@ class TTSRuntime:
         self.drafter = drafter
         self.scope = make_scope(config.scope)
         # What the next canvas of a request conditions on: EAGLE-3 the anchor feature [F];
-        # DFlash the features [L, F] of the tokens committed last round, starting at context_starts[rid].
+        # DFlash the features [B, F] of last round's block, starting at position context_starts[rid],
+        # of which the first context_lengths[rid] were committed (both 0-d device tensors).
         self.anchor_features: dict[str, torch.Tensor] = {}
-        self.context_starts: dict[str, int] = {}
+        self.context_starts: dict[str, torch.Tensor] = {}
+        self.context_lengths: dict[str, torch.Tensor] = {}
         self.requests: dict[str, RequestCounters] = {}
         # Requests prefilled since the last decode round (weakly: the Req is SGLang's): one that
         # finishes without a decode round (max_new_tokens=1, a stop at its first token, an abort)
@@ -86,7 +88,7 @@ class TTSRuntime:
         self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
-        self._unreported: deque[list] = deque(maxlen=4)  # see verified()
+        self._unreported: deque[tuple[list, dict[str, str]]] = deque(maxlen=4)  # see verified()
         self._last_verify_version = -1
         self.metrics = None
         # --tts-scope request: `drafter` is an AdaptedDrafter, `serving_adapters` its published bank
@@ -119,7 +121,7 @@ class TTSRuntime:
         """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
         published before this round's draft reads the weights."""
         live = set(live_request_ids)
-        live.update(req.rid for reqs in self._unreported for req in reqs)  # their report is still due
+        live.update(req.rid for reqs, _ in self._unreported for req in reqs)  # their report is still due
         for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
             self._forget(rid)
         self._prefilled.clear()
@@ -151,6 +153,7 @@ class TTSRuntime:
     def _forget(self, rid: str) -> None:
         self.anchor_features.pop(rid, None)
         self.context_starts.pop(rid, None)
+        self.context_lengths.pop(rid, None)
         self.requests.pop(rid, None)
         self._prefilled.pop(rid, None)
 
@@ -217,52 +220,85 @@ class TTSRuntime:
     def verified(self, reqs) -> None:
         """A verify round was launched for `reqs`; its report comes with `reported()`, when
         SGLang's result processing has the accepted lengths on the host (on_verify_complete_cpu),
-        so the worker never waits for them. Their counters stay until then."""
+        so the worker never waits for them. Their counters stay until then. The weight digests
+        that requests asked for are taken now: by the time of the report the next round's barrier
+        may have published other weights."""
         if len(self._unreported) == self._unreported.maxlen:
             self._unreported.popleft()  # never reported (should not happen): forget, do not grow
             self._count_failure("report", [])
-        self._unreported.append(list(reqs))
+        self._unreported.append((list(reqs), self._digests(reqs)))
 
     def reported(self, accept_lengths: list[int]) -> None:
         """The oldest unreported round's accepted lengths (bonus included), in its batch order."""
         if not accept_lengths:
             return  # an idle batch: it had no verify of ours
-        reqs = self._unreported.popleft() if self._unreported else None
+        reqs, digests = self._unreported.popleft() if self._unreported else (None, None)
         if reqs is None or len(reqs) != len(accept_lengths):
             self._unreported.clear()  # out of step: drop what is queued rather than misattribute
             self._count_failure("report", [] if reqs is None else [req.rid for req in reqs])
             return
-        self.report_round(reqs, accept_lengths)
+        self.report_round(reqs, accept_lengths, digests)
 
-    def report_round(self, reqs, accept_lengths: list[int]) -> None:
+    def report_round(self, reqs, accept_lengths: list[int], digests: dict[str, str] | None = None) -> None:
         """This round's acceptance on the host: counted (count_round), and the per-request values
         written into SGLang's customized_info (-> meta_info); runs even when the capture failed, so
         every round a request was served in is reported.
-        accept_lengths: [bs] tokens each request committed this round (bonus included)."""
+        accept_lengths: [bs] tokens each request committed this round (bonus included).
+        digests: the serving weights' digest per request that asked, taken when the round ran
+        (default: now)."""
         with self.failures.absorb("report", [req.rid for req in reqs]):
             self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
+            if digests is None:
+                digests = self._digests(reqs)
             allow_digest = self.config.allow_weight_digest
             for req, accept_len in zip(reqs, accept_lengths):
                 options = request_options(req, allow_digest)
-                digest = self.serving_digest(req.rid) if options.weight_digest else None
-                tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digest)
+                tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digests.get(req.rid))
+
+    def _digests(self, reqs) -> dict[str, str]:
+        """serving_digest() for the requests that asked for it (a debug option: it reads weights)."""
+        if not self.config.allow_weight_digest:
+            return {}
+        with self.failures.absorb("report", [req.rid for req in reqs]):
+            return {req.rid: self.serving_digest(req.rid) for req in reqs if request_options(req, True).weight_digest}
+        return {}
 
     def remember_anchor(self, rid: str, feature: torch.Tensor) -> None:
         """Keep `feature` (on its device, as it is) for the request's next canvas. It must be the
         caller's own copy, never a view of a buffer SGLang reuses (e.g. a CUDA graph's output)."""
         self.anchor_features[rid] = feature.detach()
 
-    def remember_context(self, rid: str, features: torch.Tensor, start: int) -> None:
-        self.remember_anchor(rid, features)
-        self.context_starts[rid] = int(start)
+    def remember_context(
+        self, rid: str, block_features: torch.Tensor, start: torch.Tensor, length: torch.Tensor
+    ) -> None:
+        """DFlash: the target features [B, F] of the block verified at position `start`, of which
+        the first `length` rows were committed. start, length: 0-d integer tensors on the device,
+        not read here. Like an anchor, the caller's own copies."""
+        self.remember_anchor(rid, block_features)
+        self.context_starts[rid] = start
+        self.context_lengths[rid] = length
 
-    def recent_context(self, rid: str, next_position: int) -> tuple[torch.Tensor, int] | None:
-        """The remembered (features, start) if they end right before `next_position`."""
-        feats = self.anchor_features.get(rid)
-        start = self.context_starts.get(rid)
-        if feats is None or start is None or start + feats.shape[0] != next_position:
-            return None  # e.g. a retracted and resumed request: the pool alone has the context
-        return feats, start
+    def recent_contexts(
+        self, request_ids: list[str], next_positions: list[int]
+    ) -> list[tuple[torch.Tensor, int] | None]:
+        """Per request, the remembered committed features and their start if they end right before
+        its next position, else None (e.g. a retracted and resumed request: the pool alone has the
+        context). Reads the remembered lengths on the host, once for the batch: canvas rounds only."""
+        known = [
+            rid
+            for rid in request_ids
+            if rid in self.anchor_features and rid in self.context_starts and rid in self.context_lengths
+        ]
+        pairs = [torch.stack([self.context_starts[rid], self.context_lengths[rid]]) for rid in known]
+        host = dict(zip(known, torch.stack(pairs).tolist() if pairs else []))
+        contexts: list[tuple[torch.Tensor, int] | None] = []
+        for rid, position in zip(request_ids, next_positions):
+            start, n = host.get(rid, (None, None))
+            if start is None or start + n != position:
+                contexts.append(None)
+            else:
+                contexts.append((self.anchor_features[rid][:n], start))
+        return contexts
 
     def serving_digest(self, rid: str | None = None) -> str:
         """sha256 over the serving drafter's bound weights (what the next draft reads); with

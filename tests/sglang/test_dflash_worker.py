@@ -4,9 +4,138 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
+from prometheus_client import CollectorRegistry
+from sglang_testing import core
 
-from sglang_tts.sglang.dflash_worker import block_rows, refresh_fused_kv_weights
+from sglang_tts.config import TTSConfig
+from sglang_tts.sglang import dflash_worker
+from sglang_tts.sglang.dflash_worker import TTSDFlashWorker, block_rows, refresh_fused_kv_weights
+from sglang_tts.sglang.metrics import SchedulerMetrics
+from sglang_tts.sglang.runtime import TTSRuntime
+
+BLOCK = 4
+
+
+class _Req:
+    def __init__(self, rid: str) -> None:
+        self.rid = rid
+        self.customized_info = None
+        self.output_ids = [0]
+        self.sampling_params = SimpleNamespace(custom_params=None)
+
+    def finished(self) -> bool:
+        return False
+
+
+def _worker(stride: int) -> TTSDFlashWorker:
+    """The worker's TTS half (SGLang's half is not constructed)."""
+    config = TTSConfig(update_stride=stride, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
+    worker = object.__new__(TTSDFlashWorker)
+    worker.tts = TTSRuntime(core.TinyDrafter(), config, None, "cpu")
+    worker.tts.metrics = SchedulerMetrics(CollectorRegistry())
+    worker.block_size = BLOCK
+    worker._feature_dim = core.FEATURES
+    worker._past_kv = lambda batch, ends: lambda r: [(torch.zeros(2, ends[r], 8), torch.zeros(2, ends[r], 8))]
+    return worker
+
+
+def _round(worker: TTSDFlashWorker, generator: torch.Generator, positions: list[int]):
+    inputs = _verify_outputs(worker, generator, positions)
+    _run(worker, *inputs)
+    return inputs[1], inputs[2]
+
+
+def _verify_outputs(worker: TTSDFlashWorker, generator: torch.Generator, positions: list[int]):
+    bs = len(positions)
+    batch = SimpleNamespace(reqs=[_Req(f"r{i}") for i in range(bs)], seq_lens=torch.tensor(positions))
+    hidden = torch.randn(bs * BLOCK, core.FEATURES, generator=generator)
+    result = SimpleNamespace(
+        accept_lens=torch.randint(1, BLOCK + 1, (bs,), generator=generator, dtype=torch.int32),
+        logits_output=SimpleNamespace(next_token_logits=torch.randn(bs * BLOCK, core.VOCAB, generator=generator)),
+    )
+    worker._draft_block_tokens_buf = torch.randint(0, core.VOCAB, (bs, BLOCK), generator=generator)
+    return batch, hidden, result
+
+
+def _run(worker: TTSDFlashWorker, batch, hidden, result) -> None:
+    """What forward_batch_generation does around SGLang's draft-verify-accept (the block's target
+    features arrive through _append_target_hidden_to_draft_kv_by_loc)."""
+    rids = [req.rid for req in batch.reqs]
+    worker.tts.before_draft(rids)
+    capture = worker.tts.distiller.next_round_submits()
+    prefix_lens = batch.seq_lens.clone()
+    worker._captured_hidden = hidden
+    worker._after_verify(batch, rids, prefix_lens, result, capture)
+    worker.tts.verified(batch.reqs)
+
+
+def _allocated_bytes(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return sum(max(event.cpu_memory_usage, 0) for event in prof.events())
+
+
+@pytest.mark.parametrize("context", [64, 4096])
+def test_a_round_without_update_reads_nothing_on_the_host_and_keeps_the_block_on_the_device(monkeypatch, context):
+    generator = torch.Generator().manual_seed(0)
+    worker = _worker(stride=1_000)
+    bs = 3
+
+    def host_read(*args, **kwargs):
+        raise AssertionError("a host read (a GPU sync) in a round that submits no update")
+
+    for method in ("tolist", "item", "cpu", "__int__", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, method, host_read)
+    batch, hidden, result = _verify_outputs(worker, generator, [context] * bs)
+    allocated = _allocated_bytes(lambda: _run(worker, batch, hidden, result))
+    monkeypatch.undo()
+
+    # One copy of the blocks' features and of the committed lengths: nothing of the context's size.
+    assert bs * BLOCK * core.FEATURES * 4 <= allocated <= bs * BLOCK * core.FEATURES * 4 + 4096
+    # The next round (at position context + committed) finds exactly the committed rows as context.
+    commit = result.accept_lens.tolist()
+    rids = [f"r{r}" for r in range(bs)]
+    contexts = worker.tts.recent_contexts(rids, [context + n for n in commit])
+    for r, (features, start) in enumerate(contexts):
+        assert start == context
+        torch.testing.assert_close(features, hidden[r * BLOCK : r * BLOCK + commit[r]])
+    # A request whose next position does not follow its context (retracted, resumed) gets none.
+    assert worker.tts.recent_contexts(["r0", "gone"], [context + commit[0] + 1, 0]) == [None, None]
+
+
+def test_update_rounds_condition_on_the_last_rounds_committed_features(monkeypatch):
+    generator = torch.Generator().manual_seed(1)
+    worker = _worker(stride=2)  # rounds 0 and 1 are one stride: round 1 submits
+    built = []
+    real = dflash_worker.build_canvas
+
+    def spy(**kwargs):
+        built.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(dflash_worker, "build_canvas", spy)
+    hidden, result = _round(worker, generator, [10, 20])
+    assert built == []  # no canvas in a round that submits nothing
+    commit = result.accept_lens.tolist()
+    _, second = _round(worker, generator, [10 + commit[0], 20 + commit[1]])
+    (kwargs,) = built
+    assert kwargs["seq_lens"] == [10 + commit[0], 20 + commit[1]]
+    assert kwargs["num_accepted"] == [n - 1 for n in second.accept_lens.tolist()]
+    for r, (features, start) in enumerate(kwargs["context_features"]):
+        assert start == (10, 20)[r]
+        torch.testing.assert_close(features, hidden[r * BLOCK : r * BLOCK + commit[r]])
+
+
+def test_reports_wait_for_sglangs_host_copy():
+    generator = torch.Generator().manual_seed(2)
+    worker = _worker(stride=1_000)
+    _round(worker, generator, [5, 6])
+    assert [worker.tts.counters(rid).rounds for rid in ("r0", "r1")] == [0, 0]
+    worker.on_verify_complete_cpu([3, 0], batch_size=2)
+    assert [worker.tts.counters(rid).rounds for rid in ("r0", "r1")] == [1, 1]
+    assert {site: n for site, n in worker.tts.failures.counts.items() if n} == {}
 
 
 def test_block_rows_take_the_accepted_drafts_and_the_first_rejected_position():
