@@ -265,7 +265,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="Qwen2.5-Coder-0.5B-Instruct", help=f"{', '.join(MODELS)} or a folder")
     parser.add_argument("--drafter", choices=["eagle3", "dflash"], default="eagle3")
     parser.add_argument("--draft-tokens", default="2,4,7", help="draft tokens verified per round (comma list)")
-    parser.add_argument("--draft-vocab-size", type=int, default=32000, help="EAGLE-3 draft vocabulary")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=int,
+        default=8192,
+        help="EAGLE-3 draft vocabulary (default 8192, as train_drafter.py trains)",
+    )
     parser.add_argument("--new-tokens", type=int, default=48, help="extra tokens of the long request")
     parser.add_argument("--short", type=int, default=8, help="tokens of the short request")
     parser.add_argument("--repeats", type=int, default=3, help="long/short pairs per configuration (min of each)")
