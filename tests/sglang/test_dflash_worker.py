@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from sglang_testing import core
+from sglang_testing import FakeReq, allocated_bytes, core, forbid_host_reads
 
 from sglang_tts.config import TTSConfig
 from sglang_tts.sglang import dflash_worker
@@ -16,17 +16,6 @@ from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import TTSRuntime
 
 BLOCK = 4
-
-
-class _Req:
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.customized_info = None
-        self.output_ids = [0]
-        self.sampling_params = SimpleNamespace(custom_params=None)
-
-    def finished(self) -> bool:
-        return False
 
 
 def _worker(stride: int) -> TTSDFlashWorker:
@@ -49,7 +38,7 @@ def _round(worker: TTSDFlashWorker, generator: torch.Generator, positions: list[
 
 def _verify_outputs(worker: TTSDFlashWorker, generator: torch.Generator, positions: list[int]):
     bs = len(positions)
-    batch = SimpleNamespace(reqs=[_Req(f"r{i}") for i in range(bs)], seq_lens=torch.tensor(positions))
+    batch = SimpleNamespace(reqs=[FakeReq(f"r{i}") for i in range(bs)], seq_lens=torch.tensor(positions))
     hidden = torch.randn(bs * BLOCK, core.FEATURES, generator=generator)
     result = SimpleNamespace(
         accept_lens=torch.randint(1, BLOCK + 1, (bs,), generator=generator, dtype=torch.int32),
@@ -71,25 +60,15 @@ def _run(worker: TTSDFlashWorker, batch, hidden, result) -> None:
     worker.tts.verified(batch.reqs)
 
 
-def _allocated_bytes(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return sum(max(event.cpu_memory_usage, 0) for event in prof.events())
-
-
 @pytest.mark.parametrize("context", [64, 4096])
 def test_a_round_without_update_reads_nothing_on_the_host_and_keeps_the_block_on_the_device(monkeypatch, context):
     generator = torch.Generator().manual_seed(0)
     worker = _worker(stride=1_000)
     bs = 3
 
-    def host_read(*args, **kwargs):
-        raise AssertionError("a host read (a GPU sync) in a round that submits no update")
-
-    for method in ("tolist", "item", "cpu", "__int__", "__bool__"):
-        monkeypatch.setattr(torch.Tensor, method, host_read)
+    forbid_host_reads(monkeypatch)
     batch, hidden, result = _verify_outputs(worker, generator, [context] * bs)
-    allocated = _allocated_bytes(lambda: _run(worker, batch, hidden, result))
+    allocated = allocated_bytes(lambda: _run(worker, batch, hidden, result))
     monkeypatch.undo()
 
     # One copy of the blocks' features and of the committed lengths: nothing of the context's size.

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
-from sglang_testing import core
+from sglang_testing import FakeReq, allocated_bytes, core, forbid_host_reads
 
 from sglang_tts.config import TTSConfig
 from sglang_tts.sglang.eagle_worker import TTSEagleWorker
@@ -18,17 +18,6 @@ from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import TTSRuntime
 
 N = 4  # draft tokens per request (chain of 3 + the verified token)
-
-
-class _Req:
-    def __init__(self, rid: str) -> None:
-        self.rid = rid
-        self.customized_info = None
-        self.output_ids = [0]
-        self.sampling_params = SimpleNamespace(custom_params=None)
-
-    def finished(self) -> bool:
-        return False
 
 
 def _worker(stride: int, context_reads: list[int]) -> TTSEagleWorker:
@@ -56,7 +45,7 @@ def _worker(stride: int, context_reads: list[int]) -> TTSEagleWorker:
 
 def _verify_outputs(generator: torch.Generator, bs: int, context: int):
     batch = SimpleNamespace(
-        reqs=[_Req(f"r{i}") for i in range(bs)],
+        reqs=[FakeReq(f"r{i}") for i in range(bs)],
         seq_lens=torch.full((bs,), context),
         seq_lens_cpu=torch.full((bs,), context),
     )
@@ -84,12 +73,6 @@ def _round(worker: TTSEagleWorker, batch, verify_input, result) -> None:
     worker.tts.verified(batch.reqs)
 
 
-def _allocated_bytes(fn) -> int:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    return sum(max(event.cpu_memory_usage, 0) for event in prof.events())
-
-
 @pytest.mark.parametrize("context", [64, 4096])
 def test_a_round_without_update_reads_nothing_on_the_host_and_allocates_nothing_per_context(monkeypatch, context):
     generator = torch.Generator().manual_seed(0)
@@ -98,12 +81,8 @@ def test_a_round_without_update_reads_nothing_on_the_host_and_allocates_nothing_
     bs = 3
     batch, verify_input, result = _verify_outputs(generator, bs, context)
 
-    def host_read(*args, **kwargs):
-        raise AssertionError("a host read (a GPU sync) in a round that submits no update")
-
-    for method in ("tolist", "item", "cpu"):
-        monkeypatch.setattr(torch.Tensor, method, host_read)
-    allocated = _allocated_bytes(lambda: _round(worker, batch, verify_input, result))
+    forbid_host_reads(monkeypatch)
+    allocated = allocated_bytes(lambda: _round(worker, batch, verify_input, result))
     monkeypatch.undo()
 
     assert reads == []  # the drafter's context K/V was not touched
