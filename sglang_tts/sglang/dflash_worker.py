@@ -142,8 +142,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
         """SGLang's result processing has the round's committed lengths on the host: report them
         (per-request counters, meta_info, Prometheus) without a sync in the worker."""
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
-        with self.tts.failures.absorb("report"):  # runs in SGLang's result processing: never raises
-            self.tts.reported([n + 1 for n in num_correct_drafts_per_req])  # + the bonus token
+        self.tts.reported(num_correct_drafts_per_req)  # absorbs its own failures
 
     def _can_skip_verify_logits(self, batch, sampling_info) -> bool:
         return not self._need_verify_logits and super()._can_skip_verify_logits(batch, sampling_info)

@@ -152,8 +152,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
         """SGLang's result processing has the round's accepted lengths on the host: report them
         (per-request counters, meta_info, Prometheus) without a sync in the worker."""
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size=batch_size)
-        with self.tts.failures.absorb("report"):  # runs in SGLang's result processing: never raises
-            self.tts.reported([n + 1 for n in num_correct_drafts_per_req])  # + the bonus token
+        self.tts.reported(num_correct_drafts_per_req)  # absorbs its own failures
 
     def _forward_prefill_batch(self, batch, *args, **kwargs):
         result = super()._forward_prefill_batch(batch, *args, **kwargs)

@@ -228,16 +228,19 @@ class TTSRuntime:
             self._count_failure("report", [])
         self._unreported.append((list(reqs), self._digests(reqs)))
 
-    def reported(self, accept_lengths: list[int]) -> None:
-        """The oldest unreported round's accepted lengths (bonus included), in its batch order."""
-        if not accept_lengths:
-            return  # an idle batch: it had no verify of ours
-        reqs, digests = self._unreported.popleft() if self._unreported else (None, None)
-        if reqs is None or len(reqs) != len(accept_lengths):
-            self._unreported.clear()  # out of step: drop what is queued rather than misattribute
-            self._count_failure("report", [] if reqs is None else [req.rid for req in reqs])
-            return
-        self.report_round(reqs, accept_lengths, digests)
+    def reported(self, num_correct_drafts_per_req: list[int]) -> None:
+        """SGLang's on_verify_complete_cpu, forwarded by the worker: the oldest unreported round's
+        accepted drafts per request, in its batch order. Runs in SGLang's result processing, so it
+        never raises: a failure is counted as a `report` failure."""
+        with self.failures.absorb("report"):
+            if not num_correct_drafts_per_req:
+                return  # an idle batch: it had no verify of ours
+            reqs, digests = self._unreported.popleft() if self._unreported else (None, None)
+            if reqs is None or len(reqs) != len(num_correct_drafts_per_req):
+                self._unreported.clear()  # out of step: drop what is queued rather than misattribute
+                self._count_failure("report", [] if reqs is None else [req.rid for req in reqs])
+                return
+            self.report_round(reqs, [n + 1 for n in num_correct_drafts_per_req], digests)  # + the bonus token
 
     def report_round(self, reqs, accept_lengths: list[int], digests: dict[str, str] | None = None) -> None:
         """This round's acceptance on the host: counted (count_round), and the per-request values
