@@ -66,7 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     what.add_argument("--drafter-kind", nargs="+", choices=KINDS, help="drafter kinds to run (default eagle3)")
     what.add_argument("--drafter", action="append", default=[], help="[KIND=]PATH (default: trained drafters in cache)")
-    what.add_argument("--model", help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
+    what.add_argument(
+        "--model",
+        help="target model: a folder or a prepare_model.py name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+        "(default: SmolLM2-135M-Instruct)",
+    )
     what.add_argument(
         "--eagle3-shape",
         default="chain",
@@ -214,9 +218,9 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         model = args.model or server_info.get("tokenizer_path") or server_info.get("model_path")
         drafters = {}
     else:
-        from sglang_tts.assets import prepare_default_model
+        from sglang_tts.assets import resolve_model
 
-        model = args.model or str(prepare_default_model())
+        model = str(resolve_model(args.model))
         wanted = kinds_needed(names, kinds)
         drafters = resolve_drafters(wanted, parse_drafter_args(args.drafter, kinds), Path(model).name)
 

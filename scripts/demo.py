@@ -23,7 +23,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from sglang_tts.assets import cache_root, prepare_default_model
+from sglang_tts.assets import cache_root, resolve_model
 from sglang_tts.bench.demo import QUESTION, render, run_demo, write_outputs
 from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 from sglang_tts.drafters.shipped import shipped_drafter
@@ -58,7 +58,11 @@ def attach_extra_args(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = attach_extra_args(sys.argv[1:] if argv is None else list(argv))
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
+    ap.add_argument(
+        "--model",
+        help="target model: a folder or a prepare_model.py name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+        "(default: SmolLM2-135M-Instruct)",
+    )
     ap.add_argument("--drafter", type=Path, help="EAGLE-3 drafter folder (default: the one shipped for the model)")
     ap.add_argument("--untrained", action="store_true", help="use a random, untrained drafter (shows the path only)")
     ap.add_argument("--max-tokens", type=int, default=512)
@@ -67,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-args", default="", help="more launch_server flags for both servers, e.g. '--tts-lr 3e-4'")
     args = ap.parse_args(argv)
 
-    model = args.model or prepare_default_model()
+    model = resolve_model(args.model)
     if args.drafter:
         drafter, trained = args.drafter, True
     elif args.untrained:

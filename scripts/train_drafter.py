@@ -36,7 +36,13 @@ WORKLOADS_TRAINING_SOURCE = "workloads:held-in"
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
-    add("--target", type=Path, default=None, help="target model folder (default: the prepared SmolLM2-135M-Instruct)")
+    add(
+        "--target",
+        "--model",
+        default=None,
+        help="target model: a folder or a prepare_model.py name, e.g. Qwen2.5-Coder-0.5B-Instruct "
+        "(default: SmolLM2-135M-Instruct)",
+    )
     add("--kind", choices=(*KINDS, "both"), default="both", help="which drafter(s) to train (default: both)")
     add("--out", type=Path, default=None, help="checkpoint folder (one kind) or parent folder (both)")
     add("--tag", default=None, help="suffix of the default folder name <target>-<kind>-<tag> (default: len<max-len>)")
@@ -58,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="most prompt tokens per generation batch, padding included: long prompts batch small (default 16384)",
+    )
+    data.add_argument(
+        "--train-context",
+        type=int,
+        default=None,
+        help="prompt tokens before each answer that training sees; the target reads the whole prompt "
+        "(default 1024; 0: none)",
     )
     data.add_argument("--eval-sequences", type=int, default=None, help="held-out sequences (default 16)")
     data.add_argument("--cache-dir", type=Path, default=None, help="data cache (default <cache>/drafters/data)")
@@ -102,6 +115,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         out=args.out,
         tag=args.tag,
         eval_sequences=args.eval_sequences,
+        train_context=args.train_context,
         epochs=args.epochs,
         steps=args.steps,
         seed=args.seed,

@@ -590,6 +590,19 @@ def prepare_model(
     return target
 
 
+def resolve_model(spec: PathLike | None, progress: bool = True) -> Path:
+    """The target folder a ``--model`` flag names: an existing folder as given, a :data:`MODELS` name
+    (case-insensitive) prepared with :func:`prepare_model` (instant once cached), None the default model."""
+    if spec is None:
+        return prepare_model(DEFAULT_MODEL, progress=progress)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if str(spec).lower() in (name.lower() for name in MODELS):
+        return prepare_model(str(spec), progress=progress)
+    raise AssetError(f"--model {spec}: neither a model folder nor a known model name ({', '.join(MODELS)})")
+
+
 def prepare_default_model(
     cache_dir: PathLike | None = None,
     force: bool = False,

@@ -77,6 +77,23 @@ class SequenceSet:
             dict(self.meta),
         )
 
+    def window_starts(self, context: int | None) -> list[int]:
+        """Where each sequence's training window starts: at most `context` prompt tokens before
+        the answer (None: the whole prompt)."""
+        if context is None:
+            return [0] * len(self)
+        return [max(0, start - context) for start in self.prompt_lens]
+
+    def windowed(self, context: int | None) -> SequenceSet:
+        """The sequences cut to their training windows (see `window_starts`); the answers are kept whole."""
+        starts = self.window_starts(context)
+        return SequenceSet(
+            [ids[s:] for ids, s in zip(self.ids, starts)],
+            [n - s for n, s in zip(self.prompt_lens, starts)],
+            list(self.keys),
+            dict(self.meta),
+        )
+
     def split_indices(self, eval_count: int, seed: int) -> tuple[list[int], list[int]]:
         """(train, held-out) indices: a seeded choice of `eval_count` sequences is held out (at
         least one sequence always stays for training)."""

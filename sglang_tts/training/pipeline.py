@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from sglang_tts.assets import cache_root, prepare_default_model
+from sglang_tts.assets import cache_root, resolve_model
 from sglang_tts.training.data import DataConfig, build_sequence_set, prompt_pool, write_prompt_split
 from sglang_tts.training.dflash import (
     DFlashObjective,
@@ -51,11 +51,12 @@ TRAIN_SUBDIR = "train"
 class TrainRequest:
     """Everything one `train_drafters` run needs; CLI flags map onto these fields."""
 
-    target: Path | None = None  # None: the prepared default model (SmolLM2-135M-Instruct)
+    target: Path | str | None = None  # a folder or a MODELS name; None: the default (SmolLM2-135M-Instruct)
     kinds: tuple[str, ...] = KINDS
     out: Path | None = None  # one kind: its folder; several: the parent of the default-named folders
     tag: str | None = None  # None: f"len{max_new_tokens}"
     data: DataConfig = field(default_factory=DataConfig)
+    train_context: int | None = 1024  # prompt tokens kept before each answer for training (None: all)
     eval_sequences: int = 16  # held out of training, for the reported metrics
     epochs: float = 3.0
     steps: int | None = None  # overrides epochs
@@ -127,7 +128,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     if unknown or not request.kinds:
         raise ValueError(f"kinds must be among {KINDS}, got {request.kinds}")
     torch.manual_seed(request.seed)
-    target_path = Path(request.target) if request.target is not None else prepare_default_model()
+    target_path = resolve_model(request.target, progress=request.progress)
     data_dir = Path(request.cache_dir) if request.cache_dir is not None else cache_root() / "drafters" / "data"
     timings: dict[str, float] = {}
 
@@ -136,7 +137,8 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     sequences = build_sequence_set(model, tokenizer, target_path, request.data, data_dir, request.progress)
     timings["generation_s"] = time.monotonic() - began
     train_idx, held_idx = sequences.split_indices(request.eval_sequences, request.seed)
-    train_set, held_set = sequences.subset(train_idx), sequences.subset(held_idx)
+    windows = sequences.windowed(request.train_context)
+    train_set, held_set = windows.subset(train_idx), windows.subset(held_idx)
     pool = prompt_pool(request.data)  # the prompts behind the sequences, for the split files
     logger.info(
         "training set: %d sequences (%d answer tokens), held out: %d",
@@ -163,7 +165,9 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     )
 
     began = time.monotonic()
-    features = compute_features(model, target_path, sequences, layer_ids, data_dir, request.progress)
+    features = compute_features(
+        model, target_path, sequences, layer_ids, data_dir, request.progress, context=request.train_context
+    )
     timings["features_s"] = time.monotonic() - began
     del model  # only its (borrowed) embedding / LM head / norm tensors are needed from here on
     train_feats, held_feats = features.subset(train_idx), features.subset(held_idx)

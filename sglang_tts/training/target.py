@@ -12,6 +12,12 @@ several epochs over a few hundred sequences, so the features are computed once a
 the teacher logits are recomputed on the fly through the target's LM head (storing logits would
 cost V floats per token), plus the target's top-1 id. The cache is keyed by target, sequence set
 and layer ids, written incrementally, and resumes like the sequence set.
+
+Long prompts (the long-context workload's 1-6.5K-token files) are read whole by the target, but
+only a window is stored and trained on: at most `context` prompt tokens before each answer
+(``SequenceSet.windowed``), as public EAGLE-3 recipes train on windows of about 2K tokens. That
+bounds the cache (4 floats x (K + 1) x H per stored token) and a training step, whose attention
+grows with the square of the window.
 """
 
 from __future__ import annotations
@@ -101,13 +107,16 @@ class TargetFeatures:
 
 
 @torch.no_grad()
-def sequence_features(model: PreTrainedModel, ids: torch.Tensor, layer_ids: list[int]) -> dict[str, torch.Tensor]:
-    """One full-sequence forward: the captured layers, the final hidden state and the top-1 ids."""
-    out = model(input_ids=ids[None], output_hidden_states=True)
+def sequence_features(
+    model: PreTrainedModel, ids: torch.Tensor, layer_ids: list[int], start: int = 0
+) -> dict[str, torch.Tensor]:
+    """One full-sequence forward: the captured layers, the final hidden state and the top-1 ids of
+    the positions from `start` on (logits are computed for those positions only)."""
+    out = model(input_ids=ids[None], output_hidden_states=True, logits_to_keep=len(ids) - start)
     states = out.hidden_states
     return {
-        "hidden": torch.stack([states[i + 1][0] for i in layer_ids], dim=1).contiguous(),
-        "final": states[-1][0].contiguous(),
+        "hidden": torch.stack([states[i + 1][0, start:] for i in layer_ids], dim=1).contiguous(),
+        "final": states[-1][0, start:].contiguous(),
         "top1": out.logits[0].argmax(-1),
     }
 
@@ -120,8 +129,10 @@ def compute_features(
     cache_dir: Path,
     progress: bool = True,
     save_every: int = 32,
+    context: int | None = None,
 ) -> TargetFeatures:
-    """Target features of every sequence (cached, resumable; see the module docstring)."""
+    """Target features of every sequence (cached, resumable; see the module docstring), of the
+    positions of its training window (`sequences.windowed(context)` holds the matching ids)."""
     layer_ids = sorted(set(layer_ids))
     n_layers = int(model.config.num_hidden_layers)
     bad = [i for i in layer_ids if not -1 <= i <= n_layers - 2]
@@ -134,6 +145,9 @@ def compute_features(
         "sequences": fingerprint({"keys": sequences.keys, "ids": [ids.tolist() for ids in sequences.ids]}),
         "layer_ids": layer_ids,
     }
+    starts = sequences.window_starts(context)
+    if any(starts):  # a window that cuts nothing leaves the cache key as it was
+        meta["window_starts"] = starts
     cache_file = cache_dir / f"{target_path.name}-feats-{fingerprint(meta)}.pt"
     saved: dict[str, list[torch.Tensor]] = {"hidden": [], "final": [], "top1": []}
     if cache_file.is_file():
@@ -144,7 +158,7 @@ def compute_features(
     start = len(saved["top1"])
     bar = tqdm(total=len(sequences), initial=start, desc="target features", unit="seq", disable=not progress)
     for index in range(start, len(sequences)):
-        feats = sequence_features(model, sequences.ids[index], layer_ids)
+        feats = sequence_features(model, sequences.ids[index], layer_ids, starts[index])
         for key in saved:
             saved[key].append(feats[key])
         bar.update(1)

@@ -36,6 +36,7 @@ from sglang_tts.assets import (
     prepare_default_model,
     prepare_gguf,
     resolve_cache_dir,
+    resolve_model,
     sha256_file,
     verify_sha256,
 )
@@ -232,6 +233,17 @@ def test_default_model_converts_once_and_matches_gguf() -> None:
     assert from_folder == from_gguf
     assert len(from_folder) == 8
     assert "Paris" in tokenizer.decode(from_folder)
+
+
+def test_model_flags_take_a_folder_or_a_name(tmp_path: Path) -> None:
+    path = prepare_default_model(progress=False)
+    # --model of bench_long.py / demo.py / train_drafter.py (--target): a name, case-insensitive, the
+    # default when absent, or any folder as given.
+    assert resolve_model(None, progress=False) == path
+    assert resolve_model("smollm2-135m-instruct", progress=False) == path
+    assert resolve_model(tmp_path) == tmp_path
+    with pytest.raises(AssetError, match="--model no-such-model: neither a model folder nor a known model name"):
+        resolve_model("no-such-model")
 
 
 def test_cli_prints_only_the_model_path() -> None:

@@ -29,6 +29,11 @@ def test_feature_cache_is_reused(tiny_target, sequences, features, data_cache, m
     again = compute_features(tiny_target.model, tiny_target.path, sequences, [2, 1, 0, -1], data_cache, False)
     assert again.layer_ids == features.layer_ids
     assert all(torch.equal(a, b) for a, b in zip(again.hidden, features.hidden))
+    # A training window longer than every prompt cuts nothing and keeps the cache key.
+    wide = compute_features(
+        tiny_target.model, tiny_target.path, sequences, [-1, 0, 1, 2], data_cache, False, context=10_000
+    )
+    assert all(torch.equal(a, b) for a, b in zip(wide.final, features.final))
 
 
 def test_collate_pads_and_marks_answers(sequences, features):
@@ -48,3 +53,23 @@ def test_batch_indices_cover_each_epoch_once():
     for epoch in range(3):
         assert sorted(seen[epoch * n : (epoch + 1) * n]) == list(range(n))
     assert batch_indices(n, size, 5, seed=1) == batch_indices(n, size, 5, seed=1)
+
+
+def test_training_window_keeps_the_tail_of_each_sequence(tiny_target, sequences, features, tmp_path):
+    context = 3  # tokens of prompt kept before each answer; the tiny prompts are all longer
+    starts = sequences.window_starts(context)
+    assert all(s > 0 for s in starts)
+    windows = sequences.windowed(context)
+    windowed = compute_features(
+        tiny_target.model, tiny_target.path, sequences, [-1, 0, 1, 2], tmp_path, False, context=context
+    )
+    for i, start in enumerate(starts):
+        assert windows.prompt_lens[i] == context
+        assert torch.equal(windows.ids[i], sequences.ids[i][start:])
+        assert torch.equal(next(iter(windows.subset([i]).answer_ids())), next(iter(sequences.subset([i]).answer_ids())))
+        # The target still read the whole prompt: the stored tail equals the full-sequence features.
+        assert torch.allclose(windowed.hidden[i], features.hidden[i][start:], atol=1e-5)
+        assert torch.allclose(windowed.final[i], features.final[i][start:], atol=1e-5)
+        assert torch.equal(windowed.top1[i], features.top1[i][start:])
+    assert sequences.windowed(10_000).prompt_lens == sequences.prompt_lens
+    assert sequences.window_starts(None) == [0] * len(sequences)
