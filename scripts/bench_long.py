@@ -160,15 +160,13 @@ def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig
     if len(names) != 1:
         raise ConfigError("--base-url measures one configuration: name it with --configs, e.g. eagle3:tts-s5")
     spec = parse_config_name(names[0])
-    if (spec.variant != "no-spec") != speculative:
-        raise ConfigError(
-            f"--configs {names[0]} does not match the server (speculative_algorithm="
-            f"{server_info.get('speculative_algorithm')})"
-        )
-    kind = spec.kind or (args.drafter_kind[0] if args.drafter_kind and spec.variant != "no-spec" else None)
-    if spec.variant != "no-spec" and kind is None:
+    algorithm = server_info.get("speculative_algorithm")
+    if (spec.variant != "no-spec") != speculative or (spec.variant == "ngram") != (algorithm == "NGRAM"):
+        raise ConfigError(f"--configs {names[0]} does not match the server (speculative_algorithm={algorithm})")
+    kind = spec.kind or (args.drafter_kind[0] if args.drafter_kind and spec.needs_drafter else None)
+    if spec.needs_drafter and kind is None:
         raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
-    name = "no-spec" if spec.variant == "no-spec" else f"{kind}:{spec.base_name}"
+    name = {"no-spec": "no-spec", "ngram": spec.base_name}.get(spec.variant, f"{kind}:{spec.base_name}")
     return BenchConfig(
         name,
         spec.variant,

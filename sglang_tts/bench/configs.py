@@ -1,6 +1,8 @@
 """Named server configurations of the benchmark and the drafters they serve.
 
-Names (``--configs``): ``no-spec`` (the plain target), ``stock`` (SGLang's own ``EAGLE3`` or ``DFLASH``
+Names (``--configs``): ``no-spec`` (the plain target), ``ngram`` (SGLang's own ``NGRAM`` speculation: drafts
+looked up in a trie of the text generated so far, no drafter model: the baseline a user picks instead of
+training one; shape in ``NGRAM_ARGS``), ``stock`` (SGLang's own ``EAGLE3`` or ``DFLASH``
 algorithm with the same drafter: the throughput baseline without the plugin's worker), ``frozen`` (TTS
 with ``--tts-freeze``: the same code path as TTS with no updates, tested equal to stock EAGLE3/DFLASH in
 acceptance, and it reports per-round accept lengths, which stock servers do not), ``tts-s{S}``
@@ -8,9 +10,9 @@ acceptance, and it reports per-round accept lengths, which stock servers do not)
 ``-batch`` / ``-global`` (``--tts-scope``) or ``-request[-r{R}]`` (per-request adapters, ``--tts-scope request
 --tts-adapter-rank R``; ``-rfull``: dense per-request deltas), e.g. ``tts-s5-request-r8``: the per-request
 adaptation comparison (issue 9) runs every scope on one server schedule. Without a suffix the server's
-default scope applies. A speculative name applies to
+default scope applies. A name that serves a drafter (all but no-spec and ngram) applies to
 every ``--drafter-kind``; ``KIND:NAME`` (e.g. ``eagle3:tts-s5``) to that kind only. Full names are
-``no-spec`` and ``KIND:NAME``.
+``no-spec``, ``ngram`` and ``KIND:NAME``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,23 @@ def parse_eagle3_shape(text: str) -> tuple[int, int, int] | None:
     return steps, topk, tokens
 
 
+# SGLang's NGRAM speculation, shaped like the EAGLE-3 "chain": 4 verified tokens per round (the last committed
+# token and 3 drafted ones), one continuation per trie node (breadth 1: a chain, no tree). SGLang's own default
+# verifies 12 tokens in a tree of breadth up to 10; `--variant` flags override these (they come last).
+NGRAM_DRAFT_TOKENS = 4
+NGRAM_MAX_BFS_BREADTH = 1
+NGRAM_ARGS = (
+    "--speculative-algorithm",
+    "NGRAM",
+    "--speculative-num-draft-tokens",
+    str(NGRAM_DRAFT_TOKENS),
+    "--speculative-ngram-max-bfs-breadth",
+    str(NGRAM_MAX_BFS_BREADTH),
+)
+# Configurations that serve no drafter: one server each, never per kind, and no kind prefix.
+DRAFTERLESS = ("no-spec", "ngram")
+
+
 def eagle3_shape_args(shape: tuple[int, int, int] | None) -> list[str]:
     if shape is None:
         return []
@@ -68,7 +87,7 @@ SCOPES = ("batch", "request", "global")
 _TAG = r"[A-Za-z0-9_.-]+"  # a --variant tag, as written after "+" in a configuration name
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
-    r"(?P<base>no-spec|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
+    r"(?P<base>no-spec|ngram|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
     rf"(?:-(?P<scope>{'|'.join(SCOPES)})(?:-r(?P<rank>[0-9]+|full))?)?)"
     rf"(?P<tags>(?:\+{_TAG})*)$"
 )
@@ -82,7 +101,7 @@ class ConfigError(ValueError):
 class ConfigSpec:
     """One parsed ``--configs`` entry; ``kind`` None means every requested drafter kind."""
 
-    variant: str  # "no-spec" | "stock" | "frozen" | "tts"
+    variant: str  # "no-spec" | "ngram" | "stock" | "frozen" | "tts"
     kind: str | None = None
     stride: int | None = None
     sync: bool = False
@@ -101,13 +120,18 @@ class ConfigSpec:
                 name += f"-r{self.adapter_rank}"
         return name + "".join(f"+{tag}" for tag in self.tags)
 
+    @property
+    def needs_drafter(self) -> bool:
+        """Whether the configuration serves a drafter (so it runs once per drafter kind)."""
+        return self.variant not in DRAFTERLESS
+
 
 @dataclass(frozen=True)
 class BenchConfig:
     """A server configuration: what to launch and how to label its results."""
 
-    name: str  # "no-spec" or "KIND:base_name"
-    variant: str  # "no-spec" | "stock" | "frozen" | "tts"
+    name: str  # "no-spec", "ngram" (each maybe with +TAGs) or "KIND:base_name"
+    variant: str  # "no-spec" | "ngram" | "stock" | "frozen" | "tts"
     kind: str | None = None
     drafter: str | None = None
     stride: int | None = None
@@ -134,23 +158,23 @@ class BenchConfig:
 
 
 def parse_config_name(text: str) -> ConfigSpec:
-    """``frozen``, ``tts-s5``, ``eagle3:tts-s5-sync``, ``no-spec`` -> :class:`ConfigSpec`."""
+    """``frozen``, ``tts-s5``, ``eagle3:tts-s5-sync``, ``no-spec``, ``ngram`` -> :class:`ConfigSpec`."""
     match = _NAME.match(text.strip())
     if match is None:
         raise ConfigError(
-            f"unknown configuration {text!r}: use no-spec, stock, frozen, tts-s<S> or tts-s<S>-sync, a TTS name "
-            f"optionally ending in a scope (-batch, -global, -request, -request-r<R>), any name but no-spec "
-            f"optionally prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5-request-r8"
+            f"unknown configuration {text!r}: use no-spec, ngram, stock, frozen, tts-s<S> or tts-s<S>-sync, a TTS "
+            f"name optionally ending in a scope (-batch, -global, -request, -request-r<R>), any name but no-spec and "
+            f"ngram optionally prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5-request-r8"
         )
     kind = match["kind"]
     if kind is not None and kind not in KINDS:
         raise ConfigError(f"{text!r}: unknown drafter kind {kind!r} (use {', '.join(KINDS)})")
     base = match["base"]
     tags = tuple(tag for tag in match["tags"].split("+") if tag)
-    if base == "no-spec":
+    if base in DRAFTERLESS:
         if kind is not None:
-            raise ConfigError(f"{text!r}: no-spec serves no drafter, so it takes no kind prefix")
-        return ConfigSpec("no-spec", tags=tags)
+            raise ConfigError(f"{text!r}: {base} serves no drafter, so it takes no kind prefix")
+        return ConfigSpec(base, tags=tags)
     if base in ("stock", "frozen"):
         return ConfigSpec(base, kind, tags=tags)
     stride = int(match["stride"])
@@ -236,8 +260,9 @@ def build_configs(
 ) -> list[BenchConfig]:
     """Expand ``--configs`` over ``--drafter-kind`` into launchable configurations, in a stable order.
 
-    Order: no-spec, then per kind (in ``kinds`` order) the names in the order given. Duplicates collapse.
-    ``drafters`` maps each kind that a speculative configuration needs to its checkpoint folder.
+    Order: the configurations without a drafter (no-spec, ngram) in the order given, then per kind (in
+    ``kinds`` order) the names in the order given. Duplicates collapse.
+    ``drafters`` maps each kind that a drafter-serving configuration needs to its checkpoint folder.
     ``extra_server_args`` go after the generated flags (so they override them) on every configuration;
     a name's ``+TAG`` flags (``variants[TAG]``) go last.
     """
@@ -260,11 +285,13 @@ def build_configs(
     extra = tuple(extra_server_args)
     configs: dict[str, BenchConfig] = {}
     for spec in specs:
-        if spec.variant == "no-spec":
-            configs[spec.base_name] = BenchConfig(spec.base_name, "no-spec", server_args=(*extra, *tagged(spec)))
+        if not spec.needs_drafter:
+            own = NGRAM_ARGS if spec.variant == "ngram" else ()
+            args = (*own, *extra, *tagged(spec))
+            configs[spec.base_name] = BenchConfig(spec.base_name, spec.variant, server_args=args)
     for kind in kinds:
         for spec in specs:
-            if spec.variant == "no-spec" or spec.kind not in (None, kind):
+            if not spec.needs_drafter or spec.kind not in (None, kind):
                 continue
             if kind not in drafters:
                 raise ConfigError(f"no {kind} drafter given for configuration {kind}:{spec.base_name}")
@@ -279,9 +306,9 @@ def build_configs(
 
 
 def kinds_needed(names: Sequence[str], kinds: Sequence[str]) -> list[str]:
-    """The drafter kinds that the selected configurations serve (no-spec alone needs none)."""
+    """The drafter kinds that the selected configurations serve (no-spec and ngram need none)."""
     specs = [parse_config_name(name) for name in names]
-    return [k for k in kinds if any(s.variant != "no-spec" and s.kind in (None, k) for s in specs)]
+    return [k for k in kinds if any(s.needs_drafter and s.kind in (None, k) for s in specs)]
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -133,6 +133,11 @@ def _tts_all(aggregates: Aggregates, kind: str) -> list[Summary]:
     return sorted(rows, key=lambda s: (s.stride or 0, s.sync))
 
 
+def _ngram_all(aggregates: Aggregates) -> list[Summary]:
+    """The ngram configurations' summaries over all data (SGLang's NGRAM: no drafter, no kind)."""
+    return [s for s in aggregates.summaries if s.variant == "ngram" and s.dataset == ALL]
+
+
 def acceptance_tables(aggregates: Aggregates) -> str:
     """Per dataset: frozen vs every TTS configuration, overall and in the last quarter (paper Tables 1/2)."""
     parts: list[str] = []
@@ -238,11 +243,14 @@ def async_sync_table(aggregates: Aggregates) -> str:
 
 
 def throughput_table(aggregates: Aggregates) -> str:
-    """Tokens/s of no-spec, stock, frozen and TTS at its best stride (highest tokens/s among async strides)."""
+    """Tokens/s of no-spec, ngram, stock, frozen and TTS at its best stride (highest tokens/s among async strides)."""
     base = aggregates.summary("no-spec")
     rows = []
     if base is not None:
         rows.append(["no-spec", fmt(base.tokens_per_s), "1.00x", "-", "-"])
+    for s in _ngram_all(aggregates):
+        ratio = fmt(s.tokens_per_s / base.tokens_per_s) + "x" if base and base.tokens_per_s else "n/a"
+        rows.append([s.config, fmt(s.tokens_per_s), ratio, "-", fmt(s.accept_mean)])
     for kind in _kinds(aggregates):
         frozen = aggregates.summary(f"{kind}:frozen")
         best = aggregates.summary(aggregates.best_tts[kind]) if kind in aggregates.best_tts else None
@@ -538,7 +546,8 @@ def render_markdown(
         "modes `-c<N>`, where N requests are sent together and each is charged its wave's wall time / N "
         "(so tok/s is the server's output rate).",
         "- stock: SGLang's own EAGLE3 / DFLASH algorithm with the same drafter (no per-round lengths: its "
-        "acceptance is SGLang's spec_accept_length); frozen: TTS with `--tts-freeze`.",
+        "acceptance is SGLang's spec_accept_length); frozen: TTS with `--tts-freeze`; ngram: SGLang's NGRAM "
+        "algorithm (no drafter; acceptance from spec_accept_length too), its corpus emptied before each request.",
         "- best TTS: the asynchronous TTS configuration with the highest tok/s over all datasets.",
         "- ms/update, update % of wall: `tts_update_ms` (overlapped with serving unless `--tts-sync`).",
         "- updates-free tok/s (sync only): tokens / (wall - update time): what that acceptance would give if "
@@ -681,11 +690,12 @@ def _value(summary: Summary | None, attr: str) -> float:
 
 
 def plot_throughput(aggregates: Aggregates, path: Path) -> Path | None:
-    """Tokens/s of no speculation, stock EAGLE3/DFLASH, frozen and TTS at its best stride (all datasets)."""
+    """Tokens/s of no speculation, NGRAM, stock EAGLE3/DFLASH, frozen and TTS at its best stride (all datasets)."""
     bars: list[tuple[str, float, str]] = []
     base = aggregates.summary("no-spec")
     if base is not None:
         bars.append(("no-spec", base.tokens_per_s, "0.4"))
+    bars += [(s.config, s.tokens_per_s, "tab:green") for s in _ngram_all(aggregates)]
     for kind in _kinds(aggregates):
         for name, label, color in (
             (f"{kind}:stock", f"{kind} stock", "tab:orange"),

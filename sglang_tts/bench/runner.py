@@ -18,6 +18,11 @@ properties of the configuration, not of the batch mix. Each prompt runs once per
 SGLang really batches ``c`` requests), labelled ``greedy-c4``, ``t0.7-c4``. A wave's wall time is
 shared equally by its requests for throughput (pooled tokens / wave seconds = the server's output rate).
 
+SGLang's NGRAM speculation (the ``ngram`` configuration) drafts from one corpus shared by every request of a
+server: the warm-up, the same prompt at another temperature and earlier prompts would feed it. The runner
+empties it (``/flush_cache``, between requests: the server is idle) before each of its requests or waves,
+so an ``ngram`` request drafts from its own text only (its prompt's prefix cache goes too: one prefill).
+
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
 SGLang's native ``/generate`` instead.
@@ -226,6 +231,18 @@ def _post_json(url: str, payload: dict[str, Any], timeout: float) -> Any:
 def get_json(url: str, timeout: float = 30.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+def flush_cache(base_url: str, wait_s: float = 30.0) -> None:
+    """SGLang's ``/flush_cache``: empties the prefix cache and the NGRAM corpus once the server is idle (it
+    waits up to ``wait_s`` for the last request's bookkeeping); raises if the server refuses."""
+    request = urllib.request.Request(f"{base_url}/flush_cache?timeout={wait_s:g}", method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=wait_s + 30):
+            return
+    except urllib.error.HTTPError as error:
+        body = error.read().decode(errors="replace")[:500]
+        raise RuntimeError(f"{base_url}/flush_cache answered HTTP {error.code}: {body}") from None
 
 
 def send_generate(
@@ -465,11 +482,15 @@ class Runner:
             self._send(base_url, slot.prompts[0], config.speculative, self.settings.warmup_tokens)
             log.warmup_s = time.perf_counter() - start
         samplings = [replace(self.settings.sampling, temperature=t) for t in self.settings.temperatures]
+        # NGRAM's corpus is server-wide: each request (or wave) starts from an empty one (module docstring).
+        own_text_only = config.variant == "ngram"
         for concurrency in self.settings.concurrencies:
             if concurrency == 1:
                 for prompt in slot.prompts:
                     for sampling in samplings:
                         bar.set_postfix_str(f"round {slot.round} {config.name} {prompt.id} {sampling.label}")
+                        if own_text_only:
+                            flush_cache(base_url)
                         start = time.perf_counter()
                         response = self._send(base_url, prompt, config.speculative, sampling=sampling)
                         wall = time.perf_counter() - start
@@ -481,6 +502,8 @@ class Runner:
                 label = mode_label(sampling.temperature, concurrency)
                 for wave in waves(slot.prompts, concurrency):
                     bar.set_postfix_str(f"round {slot.round} {config.name} {label} x{len(wave)}")
+                    if own_text_only:
+                        flush_cache(base_url)
                     self.records += self._send_wave(base_url, config, slot.round, wave, sampling, label)
                     bar.update(len(wave))
 

@@ -128,11 +128,53 @@ def test_eagle3_shape_chooses_the_draft_shape_flags():
 
 
 @pytest.mark.parametrize(
-    "bad", ["tts-s0", "foo", "medusa:frozen", "eagle3:no-spec", "tts-sx", "tts-s5-batch-r8", "tts-s5-request-r0"]
+    "bad",
+    [
+        "tts-s0",
+        "foo",
+        "medusa:frozen",
+        "eagle3:no-spec",
+        "tts-sx",
+        "tts-s5-batch-r8",
+        "tts-s5-request-r0",
+        "eagle3:ngram",
+        "ngram-sync",
+        "ngram-s5",
+    ],
 )
 def test_bad_config_names_are_refused(bad):
     with pytest.raises(ConfigError):
         parse_config_name(bad)
+
+
+def test_ngram_serves_sglangs_ngram_algorithm_without_a_drafter():
+    spec = parse_config_name("ngram")
+    assert spec.variant == "ngram" and spec.kind is None and not spec.needs_drafter and spec.base_name == "ngram"
+    assert parse_config_name("ngram+wide").tags == ("wide",) and parse_config_name("frozen").needs_drafter
+    assert kinds_needed(["no-spec", "ngram"], ["eagle3", "dflash"]) == []
+    assert kinds_needed(["ngram", "eagle3:frozen"], ["eagle3", "dflash"]) == ["eagle3"]
+    wide = ("--speculative-num-draft-tokens", "12", "--speculative-ngram-max-bfs-breadth", "10")
+    configs = build_configs(
+        ["eagle3:frozen", "ngram", "no-spec", "ngram+wide", "ngram"],
+        ["eagle3", "dflash"],
+        {"eagle3": "/e"},  # no dflash drafter: nothing here serves one
+        extra_server_args=["--tts-scope", "global"],
+        variants={"wide": wide},
+    )
+    by = {c.name: c for c in configs}
+    assert list(by) == ["ngram", "no-spec", "ngram+wide", "eagle3:frozen"]
+    ngram = by["ngram"]
+    assert (ngram.variant, ngram.kind, ngram.drafter, ngram.speculative) == ("ngram", None, None, True)
+    # SGLang's NGRAM shaped like the EAGLE-3 chain: 4 verified tokens, breadth 1; no drafter path.
+    assert ngram.server_args == (
+        "--speculative-algorithm", "NGRAM",
+        "--speculative-num-draft-tokens", "4",
+        "--speculative-ngram-max-bfs-breadth", "1",
+        "--tts-scope", "global",
+    )  # fmt: skip
+    assert by["ngram+wide"].server_args[-4:] == wide  # a variant overrides the shape (SGLang's default here)
+    assert BenchConfig.from_json(ngram.to_json()) == ngram
+    assert build_configs(["ngram"], ["eagle3"], {})[0].name == "ngram"  # runs with no drafter at all
 
 
 def test_kinds_needed_and_missing_drafters():
@@ -163,21 +205,22 @@ class _FakeSGLang(BaseHTTPRequestHandler):
     """Answers /v1/chat/completions like SGLang does with return_meta_info."""
 
     bodies: list[dict] = []
+    meta: dict = {
+        "completion_tokens": 8,
+        "spec_accept_length": 2.33,
+        "spec_verify_ct": 3,
+        "tts_accept_lengths": [1, 3, 3],
+        "tts_num_updates": 3,
+        "tts_num_skipped_updates": 0,
+        "tts_update_ms": 12.5,
+        "e2e_latency": 0.4,
+        "finish_reason": {"type": "length", "length": 8},
+    }
 
     def do_POST(self):  # noqa: N802 - BaseHTTPRequestHandler's name
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         _FakeSGLang.bodies.append(body)
-        meta = {
-            "completion_tokens": 8,
-            "spec_accept_length": 2.33,
-            "spec_verify_ct": 3,
-            "tts_accept_lengths": [1, 3, 3],
-            "tts_num_updates": 3,
-            "tts_num_skipped_updates": 0,
-            "tts_update_ms": 12.5,
-            "e2e_latency": 0.4,
-            "finish_reason": {"type": "length", "length": 8},
-        }
+        meta = self.meta
         reply = {
             "id": "x",
             "object": "chat.completion",
@@ -283,6 +326,47 @@ def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
     assert wave is not None and all(r.wave_wall_s == wave for r in batched)
     assert batched[0].share_wall_s == pytest.approx(wave / 3) and single[0].share_wall_s == single[0].wall_s
     assert all(r.wall_s <= wave + 1e-6 for r in batched)
+
+
+class _FakeNgram(_FakeSGLang):
+    """A stock NGRAM server: SGLang's speculative stats only, and /flush_cache (every path is logged)."""
+
+    paths: list[str] = []
+    meta = {"completion_tokens": 8, "spec_accept_length": 2.0, "spec_verify_ct": 4, "e2e_latency": 0.4}
+
+    def do_POST(self):  # noqa: N802
+        _FakeNgram.paths.append(self.path)
+        if not self.path.startswith("/flush_cache"):
+            return super().do_POST()
+        data = b"Cache flushed.\n"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_ngram_requests_start_from_an_empty_corpus_and_report_sglangs_acceptance():
+    from sglang_tts.bench.metrics import aggregate
+    from sglang_tts.bench.report import throughput_table
+
+    _FakeNgram.paths.clear()
+    with _serving(_FakeNgram) as base:
+        settings = RunnerSettings(
+            model="m", base_url=base, temperatures=(0.0, 0.7), concurrencies=(1, 2), warmup_tokens=4
+        )
+        configs = build_configs(["ngram", "frozen"], ["eagle3"], {"eagle3": "/e"})
+        prompts = [BenchPrompt(f"p{i}", "d", messages=({"role": "user", "content": f"q{i}"},)) for i in range(2)]
+        records = Runner(settings).run(plan_schedule(configs, prompts, 1), progress=False)
+    chat, flush = "/v1/chat/completions", "/flush_cache?timeout=30"
+    # ngram runs first: a flush before each of its 4 single requests and each of its 2 waves of 2 (no warm-up
+    # on a server the runner did not start); then frozen's 8 requests, none flushed.
+    assert _FakeNgram.paths == [flush, chat] * 4 + [flush, chat, chat] * 2 + [chat] * 8
+    ngram = [r for r in records if r.config == "ngram"]
+    assert len(ngram) == 8 and all(r.spec_accept_length == 2.0 and r.accept_lengths is None for r in ngram)
+    # The report's throughput table shows its acceptance (SGLang's spec_accept_length, pooled over rounds).
+    greedy = aggregate([r for r in records if r.sampling == "greedy"], configs, 32)
+    row = next(line for line in throughput_table(greedy).splitlines() if line.startswith("| ngram "))
+    assert row.rstrip(" |").endswith("2.00")
 
 
 def test_a_reference_resolves_to_one_configuration():
