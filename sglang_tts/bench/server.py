@@ -51,14 +51,32 @@ CPU_DEFAULT_ARGS = (
     "float32",
     "--max-total-tokens",
     "8192",
-    # An upper bound (--max-total-tokens caps the KV pool); SGLang counts the CPU layer's packed
-    # linear weights as weights, which puts SmolLM2-135M just over 0.05 of this machine's memory.
+    # An upper bound (--max-total-tokens caps the KV pool); see cpu_mem_fraction for models above ~0.2B.
     "--mem-fraction-static",
     "0.1",
     "--skip-server-warmup",
     # The scheduler busy-polls a core when idle otherwise: on a 2-core machine that halves everything else.
     "--sleep-on-idle",
 )
+
+
+def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None = None) -> float:
+    """--mem-fraction-static for a CPU server of this model: SGLang counts the CPU layer's packed linear
+    weights as weights too, so room for three copies of the fp32 checkpoint and 0.5 GiB (at least 0.1, the
+    value that fits SmolLM2-135M; Qwen2.5-Coder-0.5B gets 0.33 of 24 GiB). A bound, not an
+    allocation: --max-total-tokens caps the KV pool."""
+    folder = pathlib.Path(model_path)
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+    if total_bytes is None:
+        total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(0.1, min(0.8, round((3 * weights + 2**29) / total_bytes, 2)))
+
+
+def cpu_default_args(model_path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """CPU_DEFAULT_ARGS with the --mem-fraction-static this model needs (cpu_mem_fraction)."""
+    args = list(CPU_DEFAULT_ARGS)
+    args[args.index("--mem-fraction-static") + 1] = str(cpu_mem_fraction(model_path))
+    return tuple(args)
 
 
 class ServerStartError(RuntimeError):
@@ -123,7 +141,7 @@ def start_server(
         "127.0.0.1",
         "--port",
         str(port),
-        *(CPU_DEFAULT_ARGS if cpu_defaults else ()),
+        *(cpu_default_args(model_path) if cpu_defaults else ()),
         *extra_args,
     ]
     log_file = tempfile.NamedTemporaryFile(prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pathlib
 import socket
 
-from sglang_tts.bench.server import HTTP_PORTS, free_port
+from sglang_tts.bench.server import CPU_DEFAULT_ARGS, HTTP_PORTS, cpu_default_args, cpu_mem_fraction, free_port
 
 
 def _ephemeral_low() -> int:
@@ -38,3 +38,18 @@ def test_a_port_in_use_is_never_returned():
     finally:
         for s in held:
             s.close()
+
+
+def test_cpu_memory_fraction_leaves_room_for_the_models_weights(tmp_path):
+    gib = 2**30
+    small, large = tmp_path / "small", tmp_path / "large"
+    for folder, size in ((small, 540 * 2**20), (large, int(2.5 * gib))):  # SmolLM2-135M, Qwen2.5-Coder-0.5B
+        folder.mkdir()
+        with open(folder / "model.safetensors", "wb") as f:
+            f.truncate(size)  # sparse: only the size counts
+    assert cpu_mem_fraction(small, total_bytes=24 * gib) == 0.1  # the old fixed default, unchanged
+    assert cpu_mem_fraction(large, total_bytes=24 * gib) == 0.33  # three copies and 0.5 GiB: 8 of 24 GiB
+    assert cpu_mem_fraction(large, total_bytes=8 * gib) == 0.8  # capped
+    args = cpu_default_args(large)
+    assert args[args.index("--mem-fraction-static") + 1] == str(cpu_mem_fraction(large))
+    assert len(args) == len(CPU_DEFAULT_ARGS)
