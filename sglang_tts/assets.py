@@ -598,9 +598,12 @@ def resolve_model(spec: PathLike | None, progress: bool = True) -> Path:
     path = Path(spec).expanduser()
     if path.is_dir():
         return path
-    if str(spec).lower() in (name.lower() for name in MODELS):
-        return prepare_model(str(spec), progress=progress)
-    raise AssetError(f"--model {spec}: neither a model folder nor a known model name ({', '.join(MODELS)})")
+    try:
+        source = model_source(str(spec))
+    except AssetError:
+        known = ", ".join(MODELS)
+        raise AssetError(f"--model {spec}: neither a model folder nor a known model name ({known})") from None
+    return prepare_model(source, progress=progress)
 
 
 def prepare_default_model(

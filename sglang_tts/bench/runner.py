@@ -216,16 +216,19 @@ def _digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value).encode()).hexdigest()[:16]
 
 
-def _post_json(url: str, payload: dict[str, Any], timeout: float) -> Any:
-    request = urllib.request.Request(
-        url, data=json.dumps(payload).encode(), headers={"Content-Type": "application/json"}
-    )
+def _post(url: str, data: bytes | None, timeout: float, headers: dict[str, str] | None = None) -> bytes:
+    """POST and return the response body; an HTTP error becomes a RuntimeError carrying the server's answer."""
+    request = urllib.request.Request(url, data=data, headers=headers or {}, method="POST")
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
+            return response.read()
     except urllib.error.HTTPError as error:
         body = error.read().decode(errors="replace")[:2000]
         raise RuntimeError(f"{url} answered HTTP {error.code}: {body}") from None
+
+
+def _post_json(url: str, payload: dict[str, Any], timeout: float) -> Any:
+    return json.loads(_post(url, json.dumps(payload).encode(), timeout, {"Content-Type": "application/json"}))
 
 
 def get_json(url: str, timeout: float = 30.0) -> Any:
@@ -236,13 +239,7 @@ def get_json(url: str, timeout: float = 30.0) -> Any:
 def flush_cache(base_url: str, wait_s: float = 30.0) -> None:
     """SGLang's ``/flush_cache``: empties the prefix cache and the NGRAM corpus once the server is idle (it
     waits up to ``wait_s`` for the last request's bookkeeping); raises if the server refuses."""
-    request = urllib.request.Request(f"{base_url}/flush_cache?timeout={wait_s:g}", method="POST")
-    try:
-        with urllib.request.urlopen(request, timeout=wait_s + 30):
-            return
-    except urllib.error.HTTPError as error:
-        body = error.read().decode(errors="replace")[:500]
-        raise RuntimeError(f"{base_url}/flush_cache answered HTTP {error.code}: {body}") from None
+    _post(f"{base_url}/flush_cache?timeout={wait_s:g}", None, wait_s + 30)
 
 
 def send_generate(
@@ -373,7 +370,7 @@ class RunnerSettings:
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
     server_timeout_s: float = 900.0
-    cpu_defaults: bool = True  # add sglang_tts.bench.server.CPU_DEFAULT_ARGS
+    cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(model)
     server_env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     base_url: str | None = None  # target this running server instead of launching any

@@ -51,9 +51,6 @@ CPU_DEFAULT_ARGS = (
     "float32",
     "--max-total-tokens",
     "8192",
-    # An upper bound (--max-total-tokens caps the KV pool); see cpu_mem_fraction for models above ~0.2B.
-    "--mem-fraction-static",
-    "0.1",
     "--skip-server-warmup",
     # The scheduler busy-polls a core when idle otherwise: on a 2-core machine that halves everything else.
     "--sleep-on-idle",
@@ -73,10 +70,8 @@ def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None
 
 
 def cpu_default_args(model_path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """CPU_DEFAULT_ARGS with the --mem-fraction-static this model needs (cpu_mem_fraction)."""
-    args = list(CPU_DEFAULT_ARGS)
-    args[args.index("--mem-fraction-static") + 1] = str(cpu_mem_fraction(model_path))
-    return tuple(args)
+    """CPU_DEFAULT_ARGS and the --mem-fraction-static this model needs (cpu_mem_fraction)."""
+    return (*CPU_DEFAULT_ARGS, "--mem-fraction-static", str(cpu_mem_fraction(model_path)))
 
 
 class ServerStartError(RuntimeError):

@@ -29,6 +29,7 @@ from sglang_tts.bench.runner import (
     parse_mode,
     plan_schedule,
     record_from_response,
+    send_generate,
     send_openai,
     split_rounds,
     waves,
@@ -256,6 +257,38 @@ def _serving(handler: type[BaseHTTPRequestHandler]):
         yield f"http://127.0.0.1:{server.server_address[1]}"
     finally:
         server.shutdown()
+
+
+class _FakeGenerate(BaseHTTPRequestHandler):
+    """SGLang's /generate: echoes the request in meta_info; a prompt of token 0 is refused with HTTP 400."""
+
+    def do_POST(self):  # noqa: N802 - BaseHTTPRequestHandler's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        if body["input_ids"] == [0]:
+            status, reply = 400, {"error": "bad token 0"}
+        else:
+            meta = {"completion_tokens": 2, "prompt_tokens": len(body["input_ids"]), "echo": body}
+            status, reply = 200, {"text": "ab", "output_ids": [7, 8], "meta_info": meta}
+        data = json.dumps(reply).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_generate_request_posts_json_and_names_the_servers_refusal():
+    sampling = SamplingSettings(max_new_tokens=2, temperature=0.0)
+    with _serving(_FakeGenerate) as base:
+        response = send_generate(base, BenchPrompt("p0", "d", input_ids=(3, 4, 5)), sampling, False, timeout=30)
+        assert response.completion_tokens == 2 and response.prompt_tokens == 3 and response.text == "ab"
+        assert response.meta["echo"]["input_ids"] == [3, 4, 5]
+        assert response.meta["echo"]["sampling_params"]["max_new_tokens"] == 2
+        with pytest.raises(RuntimeError, match=r"/generate answered HTTP 400: .*bad token 0"):
+            send_generate(base, BenchPrompt("p1", "d", input_ids=(0,)), sampling, False, timeout=30)
 
 
 def test_openai_request_carries_custom_params_and_reads_meta_info():

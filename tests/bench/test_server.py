@@ -52,4 +52,4 @@ def test_cpu_memory_fraction_leaves_room_for_the_models_weights(tmp_path):
     assert cpu_mem_fraction(large, total_bytes=8 * gib) == 0.8  # capped
     args = cpu_default_args(large)
     assert args[args.index("--mem-fraction-static") + 1] == str(cpu_mem_fraction(large))
-    assert len(args) == len(CPU_DEFAULT_ARGS)
+    assert args[: len(CPU_DEFAULT_ARGS)] == CPU_DEFAULT_ARGS and len(args) == len(CPU_DEFAULT_ARGS) + 2
