@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from sglang_tts.platform.cpu.attention import _sdpa, target_verify_mask, verify_plan
+from sglang_tts.platform.cpu.attention import _sdpa, extend_mask, extend_plan, target_verify_mask, verify_plan
 
 
 def test_chain_is_causal_over_drafts_and_sees_whole_prefix():
@@ -63,3 +63,69 @@ def test_verify_plan_is_built_once_per_forward_and_rebuilt_for_new_contents():
     again = verify_plan(batch, req_to_token, 4, False, "cpu")
     assert again is not plan and torch.equal(again[0][0], torch.arange(20, 28))
     assert all(m.all() for _, m in verify_plan(batch, req_to_token, 4, True, "cpu"))
+
+
+def _stock_extend(q, k_cache, v_cache, req_to_token, pools, seq_lens, prefix_lens, causal, window, scale):
+    """SGLang's own padded extend attention (the reference the prefix-aware path must equal)."""
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    owner = SimpleNamespace(_make_sliding_window_mask=TorchNativeAttnBackend._make_sliding_window_mask)
+    out = torch.zeros_like(q)
+    TorchNativeAttnBackend._run_sdpa_forward_extend(
+        owner,
+        q,
+        out,
+        k_cache,
+        v_cache,
+        req_to_token,
+        pools,
+        seq_lens,
+        prefix_lens,
+        seq_lens - prefix_lens,
+        scaling=scale,
+        enable_gqa=True,
+        causal=causal,
+        sliding_window_size=window,
+    )
+    return out
+
+
+def _extend_batch(seq_lens, prefix_lens, pools):
+    seq_lens, prefix_lens = torch.tensor(seq_lens), torch.tensor(prefix_lens)
+    return SimpleNamespace(seq_lens=seq_lens, extend_prefix_lens=prefix_lens, req_pool_indices=torch.tensor(pools))
+
+
+def test_extend_mask_offsets_the_causal_rule_by_the_prefix():
+    assert extend_mask(0, 4, None) is None  # plain causal prefill: SDPA's own mask
+    m = extend_mask(3, 2, None)
+    assert torch.equal(m, torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool))
+    w = extend_mask(3, 2, sliding_window=1)  # position 3 sees 2..3, position 4 sees 3..4
+    assert torch.equal(w, torch.tensor([[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]], dtype=torch.bool))
+
+
+def test_prefix_aware_extend_equals_sglangs_padded_extend():
+    """Prefill, extend after a prefix, draft-extend of a few tokens, sliding window, encoder-only."""
+    torch.manual_seed(0)
+    hq, hkv, d, pool_rows, width = 4, 2, 8, 3, 40
+    k_cache, v_cache = torch.randn(pool_rows * width, hkv, d), torch.randn(pool_rows * width, hkv, d)
+    req_to_token = torch.randperm(pool_rows * width).view(pool_rows, width).int()
+    batch = _extend_batch(seq_lens=[7, 30, 12], prefix_lens=[0, 26, 5], pools=[2, 0, 1])
+    q = torch.randn(int((batch.seq_lens - batch.extend_prefix_lens).sum()), hq, d)
+    for causal, window in [(True, None), (True, 4), (False, None)]:
+        ref = _stock_extend(
+            q,
+            k_cache,
+            v_cache,
+            req_to_token,
+            batch.req_pool_indices,
+            batch.seq_lens,
+            batch.extend_prefix_lens,
+            causal,
+            window,
+            0.3,
+        )
+        out = torch.empty_like(q)
+        for rows, slots, mask in extend_plan(batch, req_to_token, causal, window, "cpu"):
+            out[rows] = _sdpa(q[rows], k_cache[slots], v_cache[slots], mask, 0.3, True, causal=causal)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert extend_plan(batch, req_to_token, True, None, "cpu") is extend_plan(batch, req_to_token, True, None, "cpu")

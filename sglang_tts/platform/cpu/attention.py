@@ -10,6 +10,11 @@ CPU build of sgl-kernel. This module supplies both in plain PyTorch:
   tokens. The prefix is fully visible; among drafts, a chain (tree_topk == 1) is causal, a tree uses
   the QLEN_ONLY [n, n] ancestor mask that `build_tree_kernel_efficient` writes on CPU, and an
   ENCODER_ONLY layer (DFlash's draft block) sees the whole block.
+- `forward_extend_prefix_aware`: EXTEND and DRAFT_EXTEND without the stock backend's padding. SGLang's
+  `_run_sdpa_forward_extend` pads each request's queries to its whole length and runs an [L, L] causal
+  attention, so extending 4 tokens after a 5K-token prefix costs as much as prefilling 5K tokens. The
+  drafter extends once per round: on long prompts that made a speculative round 2-3 decode steps. Here
+  the queries are only the new tokens, against the prefix and themselves: [n, L] work.
 - `TorchNativeMultiStepDraftBackend`: one backend per draft step. Step i of branch k attends to
   the prefix and to its own draft slots `req_to_token[r, L + k*steps : L + k*steps + i + 1]`, the
   slot layout of SGLang's `generate_draft_decode_kv_indices` / `assign_draft_cache_locs`.
@@ -24,8 +29,19 @@ import torch
 from torch.nn.functional import scaled_dot_product_attention
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale, gqa: bool):
-    """q [n, Hq, D], k/v [L, Hkv, D], mask [n, L] bool (True = visible) -> [n, Hq, Dv]."""
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale,
+    gqa: bool,
+    causal: bool = False,
+):
+    """q [n, Hq, D], k/v [L, Hkv, D], mask [n, L] bool (True = visible) -> [n, Hq, Dv].
+
+    `causal` (only without a mask) is SDPA's top-left causal mask: right for n == L.
+    """
     if k.dtype != q.dtype:
         k, v = k.to(q.dtype), v.to(q.dtype)
     out = scaled_dot_product_attention(
@@ -35,6 +51,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
         attn_mask=None if mask is None else mask.unsqueeze(0).unsqueeze(0),
         scale=scale,
         enable_gqa=gqa,
+        is_causal=causal and mask is None,
     )
     return out.squeeze(0).transpose(0, 1)
 
@@ -106,6 +123,84 @@ def forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache:
     for r, (slots, mask) in enumerate(plan):
         o_[r * n : (r + 1) * n] = _sdpa(
             q_[r * n : (r + 1) * n], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa
+        )
+    return o
+
+
+def extend_mask(prefix_len: int, n: int, sliding_window: int | None) -> torch.Tensor | None:
+    """[n, prefix_len + n] visibility of n extended tokens after a prefix (None: plain causal).
+
+    Token i sits at position prefix_len + i and sees every key at or before it (and, with a sliding
+    window w, none more than w positions back: SGLang's `_make_sliding_window_mask` rule).
+    """
+    if prefix_len == 0 and sliding_window is None:
+        return None
+    q_pos = torch.arange(prefix_len, prefix_len + n).unsqueeze(1)
+    k_pos = torch.arange(prefix_len + n).unsqueeze(0)
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos >= q_pos - sliding_window
+    return mask
+
+
+def extend_plan(forward_batch, req_to_token: torch.Tensor, causal: bool, window: int | None, device) -> list:
+    """Per request (query rows, KV slots as long, mask or None) for EXTEND, built once per forward.
+
+    Cached on the forward batch like `verify_plan`: every layer of a model asks for the same plan.
+    """
+    seq_lens = tuple(forward_batch.seq_lens.tolist())
+    prefix_lens = tuple(forward_batch.extend_prefix_lens.tolist())
+    pools = tuple(forward_batch.req_pool_indices.tolist())
+    key = ("extend", causal, window, str(device), seq_lens, prefix_lens, pools)
+    cache = getattr(forward_batch, "_tts_verify_plans", None)
+    if cache is None:
+        cache = {}
+        forward_batch._tts_verify_plans = cache
+    plan = cache.get(key)
+    if plan is None:
+        plan, start = [], 0
+        for seq_len, prefix_len, pool_idx in zip(seq_lens, prefix_lens, pools):
+            n = seq_len - prefix_len
+            mask = extend_mask(prefix_len, n, window) if causal else None
+            plan.append(
+                (
+                    slice(start, start + n),
+                    req_to_token[pool_idx, :seq_len].long(),
+                    None if mask is None else mask.to(device),
+                )
+            )
+            start += n
+        cache[key] = plan
+    return plan
+
+
+def forward_extend_prefix_aware(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+    """EXTEND / DRAFT_EXTEND attention for `TorchNativeAttnBackend`: queries are the new tokens only.
+
+    Same contract as SGLang's `TorchNativeAttnBackend.forward_extend` for self-attention (KV written
+    at `out_cache_loc`; causal unless the layer is ENCODER_ONLY; SGLang's sliding-window rule).
+    """
+    from sglang.srt.layers.radix_attention import AttentionType
+    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+    pool = backend.token_to_kv_pool
+    if save_kv_cache and k is not None and v is not None:
+        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
+    causal = layer.attn_type != AttentionType.ENCODER_ONLY
+    window = layer.sliding_window_size
+    window = window if causal and window is not None and window > -1 else None
+    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+    q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+    o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
+    k_cache = pool.get_key_buffer(layer.layer_id)
+    v_cache = pool.get_value_buffer(layer.layer_id)
+    gqa = layer.tp_q_head_num != layer.tp_k_head_num
+    plan = extend_plan(forward_batch, backend.req_to_token_pool.req_to_token, causal, window, q.device)
+    for rows, slots, mask in plan:
+        if rows.start == rows.stop:
+            continue
+        o_[rows] = _sdpa(
+            q_[rows], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa, causal=causal and mask is None
         )
     return o
 
@@ -214,7 +309,12 @@ def create_draft_extend_backend_hook(original, factory, *args, **kwargs):
 
 
 def forward_extend_hook(original, backend, q, k, v, layer, forward_batch, save_kv_cache=True, *args, **kwargs):
-    """AROUND hook on TorchNativeAttnBackend.forward_extend: adds TARGET_VERIFY."""
+    """AROUND hook on TorchNativeAttnBackend.forward_extend: adds TARGET_VERIFY, drops the padding.
+
+    Cross-attention and encoder-decoder batches keep SGLang's own path.
+    """
     if forward_batch.forward_mode.is_target_verify():
         return forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache)
+    if not args and not kwargs and not layer.is_cross_attention and forward_batch.encoder_lens is None:
+        return forward_extend_prefix_aware(backend, q, k, v, layer, forward_batch, save_kv_cache)
     return original(backend, q, k, v, layer, forward_batch, save_kv_cache, *args, **kwargs)
