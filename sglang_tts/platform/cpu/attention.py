@@ -82,21 +82,28 @@ def verify_plan(forward_batch, req_to_token: torch.Tensor, n: int, bidirectional
     seq_lens = tuple(forward_batch.seq_lens.tolist())
     pools = tuple(forward_batch.req_pool_indices.tolist())
     spec_info = forward_batch.spec_info
-    key = (n, bidirectional, str(device), seq_lens, pools, id(spec_info))
-    cache = getattr(forward_batch, "_tts_verify_plans", None)
-    if cache is None:
-        cache = {}
-        forward_batch._tts_verify_plans = cache
-    plan = cache.get(key)
-    if plan is None:
-        plan = [
+
+    def build() -> list:
+        return [
             (
                 req_to_token[pool_idx, : prefix_len + n].long(),
                 target_verify_mask(prefix_len, n, spec_info, r, bidirectional).to(device),
             )
             for r, (prefix_len, pool_idx) in enumerate(zip(seq_lens, pools))
         ]
-        cache[key] = plan
+
+    return _cached_plan(forward_batch, (n, bidirectional, str(device), seq_lens, pools, id(spec_info)), build)
+
+
+def _cached_plan(forward_batch, key: tuple, build) -> list:
+    """`build()` once per forward batch and key (the plans live on the batch, gone with it)."""
+    cache = getattr(forward_batch, "_tts_verify_plans", None)
+    if cache is None:
+        cache = {}
+        forward_batch._tts_verify_plans = cache
+    plan = cache.get(key)
+    if plan is None:
+        plan = cache[key] = build()
     return plan
 
 
@@ -151,13 +158,8 @@ def extend_plan(forward_batch, req_to_token: torch.Tensor, causal: bool, window:
     seq_lens = tuple(forward_batch.seq_lens.tolist())
     prefix_lens = tuple(forward_batch.extend_prefix_lens.tolist())
     pools = tuple(forward_batch.req_pool_indices.tolist())
-    key = ("extend", causal, window, str(device), seq_lens, prefix_lens, pools)
-    cache = getattr(forward_batch, "_tts_verify_plans", None)
-    if cache is None:
-        cache = {}
-        forward_batch._tts_verify_plans = cache
-    plan = cache.get(key)
-    if plan is None:
+
+    def build() -> list:
         plan, start = [], 0
         for seq_len, prefix_len, pool_idx in zip(seq_lens, prefix_lens, pools):
             n = seq_len - prefix_len
@@ -170,8 +172,9 @@ def extend_plan(forward_batch, req_to_token: torch.Tensor, causal: bool, window:
                 )
             )
             start += n
-        cache[key] = plan
-    return plan
+        return plan
+
+    return _cached_plan(forward_batch, ("extend", causal, window, str(device), seq_lens, prefix_lens, pools), build)
 
 
 def forward_extend_prefix_aware(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
