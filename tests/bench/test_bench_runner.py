@@ -202,7 +202,25 @@ def test_schedule_rotates_the_configuration_order_per_round():
 _FAKE_TEXT = " ".join([f"w{i}" for i in range(16)] + ["loop"] * 16)
 
 
-class _FakeSGLang(BaseHTTPRequestHandler):
+class _QuietHandler(BaseHTTPRequestHandler):
+    """A request handler that answers with `_send` and logs nothing."""
+
+    def _send(self, status: int, data: bytes, content_type: str | None = None) -> None:
+        self.send_response(status)
+        if content_type is not None:
+            self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _send_json(self, status: int, reply: dict) -> None:
+        self._send(status, json.dumps(reply).encode(), "application/json")
+
+    def log_message(self, *args):
+        pass
+
+
+class _FakeSGLang(_QuietHandler):
     """Answers /v1/chat/completions like SGLang does with return_meta_info."""
 
     bodies: list[dict] = []
@@ -237,15 +255,7 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             ],
             "usage": {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13},
         }
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self._send_json(200, reply)
 
 
 @contextlib.contextmanager
@@ -259,7 +269,7 @@ def _serving(handler: type[BaseHTTPRequestHandler]):
         server.shutdown()
 
 
-class _FakeGenerate(BaseHTTPRequestHandler):
+class _FakeGenerate(_QuietHandler):
     """SGLang's /generate: echoes the request in meta_info; a prompt of token 0 is refused with HTTP 400."""
 
     def do_POST(self):  # noqa: N802 - BaseHTTPRequestHandler's name
@@ -269,15 +279,7 @@ class _FakeGenerate(BaseHTTPRequestHandler):
         else:
             meta = {"completion_tokens": 2, "prompt_tokens": len(body["input_ids"]), "echo": body}
             status, reply = 200, {"text": "ab", "output_ids": [7, 8], "meta_info": meta}
-        data = json.dumps(reply).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+        self._send_json(status, reply)
 
 
 def test_generate_request_posts_json_and_names_the_servers_refusal():
@@ -371,11 +373,7 @@ class _FakeNgram(_FakeSGLang):
         _FakeNgram.paths.append(self.path)
         if not self.path.startswith("/flush_cache"):
             return super().do_POST()
-        data = b"Cache flushed.\n"
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        self._send(200, b"Cache flushed.\n")
 
 
 def test_ngram_requests_start_from_an_empty_corpus_and_report_sglangs_acceptance():
