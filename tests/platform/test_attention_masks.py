@@ -1,12 +1,20 @@
-"""Visibility rules of the torch-native TARGET_VERIFY attention, against hand-built masks."""
+"""The torch-native TARGET_VERIFY and EXTEND attention: visibility rules against hand-built masks and SGLang."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import torch
+from sglang.srt.layers.radix_attention import AttentionType
 
-from sglang_tts.platform.cpu.attention import _sdpa, extend_mask, extend_plan, target_verify_mask, verify_plan
+from sglang_tts.platform.cpu.attention import (
+    _sdpa,
+    extend_mask,
+    extend_plan,
+    forward_extend_prefix_aware,
+    target_verify_mask,
+    verify_plan,
+)
 
 
 def test_chain_is_causal_over_drafts_and_sees_whole_prefix():
@@ -53,7 +61,8 @@ def test_verify_plan_is_built_once_per_forward_and_rebuilt_for_new_contents():
     batch = SimpleNamespace(seq_lens=torch.tensor([3, 5]), req_pool_indices=torch.tensor([1, 0]), spec_info=spec)
     plan = verify_plan(batch, req_to_token, 4, False, "cpu")
     assert verify_plan(batch, req_to_token, 4, False, "cpu") is plan  # the next layer reuses it
-    (slots0, mask0), (slots1, mask1) = plan
+    (rows0, slots0, mask0), (rows1, slots1, mask1) = plan
+    assert rows0 == slice(0, 4) and rows1 == slice(4, 8)  # each request's draft tokens, back to back
     assert slots0.dtype == torch.long and torch.equal(slots0, torch.arange(20, 27))
     assert torch.equal(slots1, torch.arange(0, 9))
     assert torch.equal(mask0, target_verify_mask(3, 4, spec, 0, False))
@@ -61,8 +70,8 @@ def test_verify_plan_is_built_once_per_forward_and_rebuilt_for_new_contents():
 
     batch.seq_lens = torch.tensor([4, 5])  # the same object with other contents: a fresh plan
     again = verify_plan(batch, req_to_token, 4, False, "cpu")
-    assert again is not plan and torch.equal(again[0][0], torch.arange(20, 28))
-    assert all(m.all() for _, m in verify_plan(batch, req_to_token, 4, True, "cpu"))
+    assert again is not plan and torch.equal(again[0][1], torch.arange(20, 28))
+    assert all(m.all() for _, _, m in verify_plan(batch, req_to_token, 4, True, "cpu"))
 
 
 def _stock_extend(q, k_cache, v_cache, req_to_token, pools, seq_lens, prefix_lens, causal, window, scale):
@@ -111,6 +120,10 @@ def test_prefix_aware_extend_equals_sglangs_padded_extend():
     req_to_token = torch.randperm(pool_rows * width).view(pool_rows, width).int()
     batch = _extend_batch(seq_lens=[7, 30, 12], prefix_lens=[0, 26, 5], pools=[2, 0, 1])
     q = torch.randn(int((batch.seq_lens - batch.extend_prefix_lens).sum()), hq, d)
+    pool = SimpleNamespace(get_key_buffer=lambda layer_id: k_cache, get_value_buffer=lambda layer_id: v_cache)
+    backend = SimpleNamespace(
+        token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=req_to_token), swa_out_cache_loc=None
+    )
     for causal, window in [(True, None), (True, 4), (False, None)]:
         ref = _stock_extend(
             q,
@@ -124,8 +137,16 @@ def test_prefix_aware_extend_equals_sglangs_padded_extend():
             window,
             0.3,
         )
-        out = torch.empty_like(q)
-        for rows, slots, mask in extend_plan(batch, req_to_token, causal, window, "cpu"):
-            out[rows] = _sdpa(q[rows], k_cache[slots], v_cache[slots], mask, 0.3, True, causal=causal)
-        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        layer = SimpleNamespace(
+            attn_type=AttentionType.DECODER if causal else AttentionType.ENCODER_ONLY,
+            sliding_window_size=-1 if window is None else window,
+            tp_q_head_num=hq,
+            tp_k_head_num=hkv,
+            qk_head_dim=d,
+            v_head_dim=d,
+            layer_id=0,
+            scaling=0.3,
+        )
+        out = forward_extend_prefix_aware(backend, q.flatten(1), None, None, layer, batch, save_kv_cache=False)
+        torch.testing.assert_close(out.view_as(q), ref, atol=1e-5, rtol=1e-5)
     assert extend_plan(batch, req_to_token, True, None, "cpu") is extend_plan(batch, req_to_token, True, None, "cpu")

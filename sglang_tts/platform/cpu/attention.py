@@ -73,7 +73,7 @@ def target_verify_mask(prefix_len: int, n: int, spec_info, request_index: int, b
 
 
 def verify_plan(forward_batch, req_to_token: torch.Tensor, n: int, bidirectional: bool, device) -> list:
-    """Per request (KV slots as long, [n, prefix + n] mask) for TARGET_VERIFY, built once per forward.
+    """Per request (query rows, KV slots as long, [n, prefix + n] mask) for TARGET_VERIFY, once per forward.
 
     Every layer of the target asks for the same slots and masks; rebuilding them per layer cost 7% of
     a verify on the default model. The plan is cached on the forward batch, keyed by what shapes it,
@@ -86,6 +86,7 @@ def verify_plan(forward_batch, req_to_token: torch.Tensor, n: int, bidirectional
     def build() -> list:
         return [
             (
+                slice(r * n, (r + 1) * n),
                 req_to_token[pool_idx, : prefix_len + n].long(),
                 target_verify_mask(prefix_len, n, spec_info, r, bidirectional).to(device),
             )
@@ -107,31 +108,42 @@ def _cached_plan(forward_batch, key: tuple, build) -> list:
     return plan
 
 
-def forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
-    """TARGET_VERIFY attention for `TorchNativeAttnBackend` (see module docstring)."""
-    from sglang.srt.layers.radix_attention import AttentionType
+def _attend_by_plan(backend, q, k, v, layer, forward_batch, save_kv_cache: bool, plan_for, causal: bool = False):
+    """Write the new KV at `out_cache_loc`, then one SDPA per request of `plan_for(device)`.
+
+    q [tokens, Hq * D] -> [tokens, Hq * Dv]. The plan holds per request (query rows, KV slots, mask or
+    None); `causal` applies SDPA's own causal mask where a request has no mask.
+    """
     from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
     pool = backend.token_to_kv_pool
     if save_kv_cache and k is not None and v is not None:
         pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
-
-    spec_info = forward_batch.spec_info
-    n = int(spec_info.draft_token_num)
     o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
     q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
     o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
     k_cache = pool.get_key_buffer(layer.layer_id)
     v_cache = pool.get_value_buffer(layer.layer_id)
-    req_to_token = backend.req_to_token_pool.req_to_token
-    bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
     gqa = layer.tp_q_head_num != layer.tp_k_head_num
-    plan = verify_plan(forward_batch, req_to_token, n, bidirectional, q.device)
-    for r, (slots, mask) in enumerate(plan):
-        o_[r * n : (r + 1) * n] = _sdpa(
-            q_[r * n : (r + 1) * n], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa
-        )
+    for rows, slots, mask in plan_for(q.device):
+        if rows.start == rows.stop:
+            continue
+        o_[rows] = _sdpa(q_[rows], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa, causal=causal)
     return o
+
+
+def forward_target_verify(backend, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+    """TARGET_VERIFY attention for `TorchNativeAttnBackend` (see module docstring)."""
+    from sglang.srt.layers.radix_attention import AttentionType
+
+    n = int(forward_batch.spec_info.draft_token_num)
+    bidirectional = layer.attn_type == AttentionType.ENCODER_ONLY
+    req_to_token = backend.req_to_token_pool.req_to_token
+
+    def plan_for(device) -> list:
+        return verify_plan(forward_batch, req_to_token, n, bidirectional, device)
+
+    return _attend_by_plan(backend, q, k, v, layer, forward_batch, save_kv_cache, plan_for)
 
 
 def extend_mask(prefix_len: int, n: int, sliding_window: int | None) -> torch.Tensor | None:
@@ -184,28 +196,16 @@ def forward_extend_prefix_aware(backend, q, k, v, layer, forward_batch, save_kv_
     at `out_cache_loc`; causal unless the layer is ENCODER_ONLY; SGLang's sliding-window rule).
     """
     from sglang.srt.layers.radix_attention import AttentionType
-    from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-    pool = backend.token_to_kv_pool
-    if save_kv_cache and k is not None and v is not None:
-        pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, backend.swa_out_cache_loc), k, v)
     causal = layer.attn_type != AttentionType.ENCODER_ONLY
     window = layer.sliding_window_size
     window = window if causal and window is not None and window > -1 else None
-    o = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
-    q_ = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-    o_ = o.view(-1, layer.tp_q_head_num, layer.v_head_dim)
-    k_cache = pool.get_key_buffer(layer.layer_id)
-    v_cache = pool.get_value_buffer(layer.layer_id)
-    gqa = layer.tp_q_head_num != layer.tp_k_head_num
-    plan = extend_plan(forward_batch, backend.req_to_token_pool.req_to_token, causal, window, q.device)
-    for rows, slots, mask in plan:
-        if rows.start == rows.stop:
-            continue
-        o_[rows] = _sdpa(
-            q_[rows], k_cache[slots], v_cache[slots], mask, layer.scaling, gqa, causal=causal and mask is None
-        )
-    return o
+    req_to_token = backend.req_to_token_pool.req_to_token
+
+    def plan_for(device) -> list:
+        return extend_plan(forward_batch, req_to_token, causal, window, device)
+
+    return _attend_by_plan(backend, q, k, v, layer, forward_batch, save_kv_cache, plan_for, causal=causal)
 
 
 class TorchNativeDraftStepBackend:
