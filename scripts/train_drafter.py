@@ -56,6 +56,15 @@ def build_parser() -> argparse.ArgumentParser:
         "(= --source workloads:held-in; docs/workloads.md); long-context prompts need --max-prompt-len 6600",
     )
     data.add_argument("--num-prompts", type=int, default=None, help="prompts to answer (default 256)")
+    data.add_argument(
+        "--extra-source",
+        default=None,
+        help="a second prompt source added to the first one's prompts, e.g. code-edit (training-only code-editing "
+        "prompts over stdlib functions and classes that no workload uses; docs/training.md)",
+    )
+    data.add_argument(
+        "--extra-prompts", type=int, default=None, help="how many --extra-source prompts (a seeded sample)"
+    )
     data.add_argument("--max-len", type=int, default=None, help="max new tokens per answer (default 256)")
     data.add_argument("--max-prompt-len", type=int, default=None, help="skip longer prompts (default 256 tokens)")
     data.add_argument("--gen-batch-size", type=int, default=None, help="generation batch (default 16)")
@@ -106,6 +115,8 @@ def _set(obj, **values):
 def request_from_args(args: argparse.Namespace) -> TrainRequest:
     if args.workloads and args.source is not None:
         raise SystemExit("train_drafter.py: --workloads and --source both choose the prompts; give one")
+    if (args.extra_source is None) != (args.extra_prompts is None):
+        raise SystemExit("train_drafter.py: --extra-source and --extra-prompts go together")
     request = tiny_request() if args.tiny else TrainRequest()
     kinds = KINDS if args.kind == "both" else (args.kind,)
     request = _set(
@@ -128,6 +139,8 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         request.data,
         source=WORKLOADS_TRAINING_SOURCE if args.workloads else args.source,
         num_prompts=args.num_prompts,
+        extra_source=args.extra_source,
+        extra_prompts=args.extra_prompts,
         max_new_tokens=args.max_len,
         max_prompt_tokens=args.max_prompt_len,
         batch_size=args.gen_batch_size,

@@ -4,6 +4,7 @@ Importing the package registers the workload names (``reasoning``, ``long-gen``,
 ``load_prompts``.
 """
 
+from sglang_tts.data import code_edit as _code_edit  # noqa: F401  (registers the training-only code-edit source)
 from sglang_tts.data.prompts import (
     DEFAULT_INSTRUCTION,
     Prompt,

@@ -48,6 +48,8 @@ class DataConfig:
     batch_size: int = 16  # generation batch
     batch_prompt_tokens: int = 16384  # ...and at most this many prompt tokens per batch (long prompts batch small)
     instruction: str | None = DEFAULT_INSTRUCTION
+    extra_source: str | None = None  # a second source added to the first one's prompts (e.g. code-edit)
+    extra_prompts: int = 0  # how many of it (a seeded sample)
 
 
 @dataclass
@@ -94,12 +96,14 @@ class SequenceSet:
             dict(self.meta),
         )
 
-    def split_indices(self, eval_count: int, seed: int) -> tuple[list[int], list[int]]:
-        """(train, held-out) indices: a seeded choice of `eval_count` sequences is held out (at
-        least one sequence always stays for training)."""
-        eval_count = max(0, min(eval_count, len(self) - 1))
-        order = torch.randperm(len(self), generator=torch.Generator().manual_seed(seed)).tolist()
-        return sorted(order[eval_count:]), sorted(order[:eval_count])
+    def split_indices(self, eval_count: int, seed: int, among: int | None = None) -> tuple[list[int], list[int]]:
+        """(train, held-out) indices: a seeded choice of `eval_count` of the first `among` sequences (default: all)
+        is held out (at least one sequence always stays for training); the rest always train. With the extra
+        source's sequences after the first source's, the held-out choice is the same with or without them."""
+        among = len(self) if among is None else among
+        eval_count = max(0, min(eval_count, among - 1))
+        order = torch.randperm(among, generator=torch.Generator().manual_seed(seed)).tolist()
+        return sorted(order[eval_count:] + list(range(among, len(self)))), sorted(order[:eval_count])
 
 
 def fingerprint(payload: dict[str, Any]) -> str:
@@ -142,12 +146,20 @@ def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) ->
 def prompt_pool(cfg: DataConfig) -> list[Prompt]:
     """The seeded sample of prompts the target answers (all of the source if it has fewer). A source that mixes
     datasets (``workloads:held-in``) is sampled evenly over them (:func:`balanced_sample`), so a small workload
-    is not crowded out by a large one."""
+    is not crowded out by a large one. ``extra_source`` adds a seeded sample of ``extra_prompts`` of its prompts
+    after those (the first source's sample is the same with or without it)."""
     prompts = load_prompts(cfg.source)
     n = min(cfg.num_prompts, len(prompts))
     if len({p.dataset for p in prompts}) > 1:
-        return balanced_sample(prompts, n, cfg.seed)
-    return load_prompts(cfg.source, n, seed=cfg.seed)
+        pool = balanced_sample(prompts, n, cfg.seed)
+    else:
+        pool = load_prompts(cfg.source, n, seed=cfg.seed)
+    if cfg.extra_source is None or cfg.extra_prompts <= 0:
+        return pool
+    available = len(load_prompts(cfg.extra_source))
+    extra = load_prompts(cfg.extra_source, min(cfg.extra_prompts, available), seed=cfg.seed)
+    taken = {p.id for p in pool}
+    return pool + [p for p in extra if p.id not in taken]
 
 
 def write_prompt_split(path: Path, pool: list[Prompt], keys: list[str]) -> Path:
@@ -214,6 +226,37 @@ def generation_batches(
         start = end
 
 
+ANSWER_SHAPING = ("format", "target", "max_new_tokens", "instruction")  # what a greedy answer depends on
+
+
+def reuse_answers(
+    cache_dir: Path,
+    target_name: str,
+    meta: dict[str, Any],
+    encoded: list[tuple[str, list[int]]],
+    done: dict[str, tuple[torch.Tensor, int]],
+) -> int:
+    """Fill ``done`` with answers other cached sets of the same target already hold: a set with the same
+    answer-shaping settings (``ANSWER_SHAPING``) whose sequence has the same key and exactly the same prompt
+    ids. Greedy answers depend on nothing else, so a set that adds prompts to an older one generates only the
+    new ones. Returns how many were reused."""
+    wanted = {key: ids for key, ids in encoded if key not in done}
+    count = 0
+    for other in sorted(cache_dir.glob(f"{target_name}-seqs-*.pt")):
+        if not wanted:
+            break
+        saved = torch.load(other, map_location="cpu", weights_only=True)
+        if any(saved["meta"].get(name) != meta.get(name) for name in ANSWER_SHAPING):
+            continue
+        for key, ids, start in zip(saved["keys"], saved["ids"], saved["prompt_lens"]):
+            prompt = wanted.get(key)
+            if prompt is not None and int(start) == len(prompt) and ids[: int(start)].tolist() == prompt:
+                done[key] = (ids, int(start))
+                del wanted[key]
+                count += 1
+    return count
+
+
 def build_sequence_set(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
@@ -226,6 +269,9 @@ def build_sequence_set(
     meta = {"format": DATA_FORMAT, "target": target_identity(target_path), **asdict(cfg)}
     meta.pop("batch_size")  # neither changes the greedy answers' meaning
     meta.pop("batch_prompt_tokens")
+    if cfg.extra_source is None or cfg.extra_prompts <= 0:  # sets made before the option keep their names
+        meta.pop("extra_source")
+        meta.pop("extra_prompts")
     cache_file = cache_dir / f"{target_path.name}-seqs-{fingerprint(meta)}.pt"
 
     done: dict[str, tuple[torch.Tensor, int]] = {}
@@ -245,6 +291,9 @@ def build_sequence_set(
             continue
         encoded.append((prompt.id, ids))
 
+    reused = reuse_answers(cache_dir, target_path.name, meta, encoded, done)
+    if reused:
+        logger.info("reused %d answers from other cached sets of this target", reused)
     todo = sorted((item for item in encoded if item[0] not in done), key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
     eos_ids = eos_token_ids(model, tokenizer)

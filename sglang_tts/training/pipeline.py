@@ -37,7 +37,14 @@ from sglang_tts.training.eagle3 import (
     evaluate_eagle3,
     frequency_draft_vocab,
 )
-from sglang_tts.training.loop import LoopConfig, OptimConfig, train_loop, training_state_step
+from sglang_tts.training.loop import (
+    STATE_FILE,
+    LoopConfig,
+    OptimConfig,
+    load_training_state,
+    train_loop,
+    training_state_step,
+)
 from sglang_tts.training.target import compute_features, load_target
 from sglang_tts.training.weights import write_drafter
 
@@ -122,6 +129,16 @@ def num_steps(request: TrainRequest, num_sequences: int, batch_size: int) -> int
     return max(1, math.ceil(request.epochs * num_sequences / batch_size))
 
 
+def saved_draft_vocab(state_dir: Path, resume: bool) -> torch.Tensor | None:
+    """On ``--resume``, the draft vocabulary (target ids) the saved EAGLE-3 state was trained with: its weights
+    only mean something over those ids, even when the resumed run's data (whose frequencies would choose
+    another vocabulary) has grown. None when not resuming or nothing is saved."""
+    if not resume or training_state_step(state_dir) is None:
+        return None
+    d2t = load_training_state(state_dir / STATE_FILE)["model"]["d2t"]
+    return d2t + torch.arange(d2t.numel())
+
+
 def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     """Build the data (cached), then train, evaluate and write each requested drafter kind."""
     unknown = set(request.kinds) - set(KINDS)
@@ -136,7 +153,10 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     model, tokenizer, target = load_target(target_path)
     sequences = build_sequence_set(model, tokenizer, target_path, request.data, data_dir, request.progress)
     timings["generation_s"] = time.monotonic() - began
-    train_idx, held_idx = sequences.split_indices(request.eval_sequences, request.seed)
+    # Held-out sequences come from the first source only: extra prompts (--extra-source) always train.
+    first = {p.id for p in prompt_pool(replace(request.data, extra_source=None, extra_prompts=0))}
+    among = sum(key in first for key in sequences.keys)  # the first source's sequences come first
+    train_idx, held_idx = sequences.split_indices(request.eval_sequences, request.seed, among)
     windows = sequences.windowed(request.train_context)
     train_set, held_set = windows.subset(train_idx), windows.subset(held_idx)
     pool = prompt_pool(request.data)  # the prompts behind the sequences, for the split files
@@ -149,7 +169,9 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
 
     drafters: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
     if "eagle3" in request.kinds:
-        used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
+        used = saved_draft_vocab(output_dir(request, target_path.name, "eagle3") / TRAIN_SUBDIR, request.resume)
+        if used is None:
+            used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
         drafters["eagle3"] = build_eagle3(target, request.eagle3, used, request.seed)
     if "dflash" in request.kinds:
         mask_id = request.dflash.mask_token_id

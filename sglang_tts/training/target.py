@@ -121,6 +121,44 @@ def sequence_features(
     }
 
 
+def reuse_features(
+    cache_dir: Path,
+    target_name: str,
+    meta: dict[str, Any],
+    sequences: SequenceSet,
+    starts: list[int],
+) -> dict[int, dict[str, torch.Tensor]]:
+    """Features other cached feature files of the same target and layers already hold for ``sequences``:
+    index -> features of a sequence with the same key, the same ids and the same window start. The sequences
+    behind a feature file are found through the sequence caches beside it (its ``sequences`` fingerprint), so a
+    training set that extends an older one computes only the new sequences."""
+    wanted = {(key, int(start)): index for index, (key, start) in enumerate(zip(sequences.keys, starts))}
+    known: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
+    for path in cache_dir.glob(f"{target_name}-seqs-*.pt"):
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        known[fingerprint({"keys": saved["keys"], "ids": [ids.tolist() for ids in saved["ids"]]})] = (
+            saved["keys"],
+            saved["ids"],
+        )
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for path in sorted(cache_dir.glob(f"{target_name}-feats-*.pt")):
+        payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        other = payload["meta"]
+        if other.get("target") != meta["target"] or other.get("layer_ids") != meta["layer_ids"]:
+            continue
+        if other.get("sequences") not in known:
+            continue
+        keys, ids = known[other["sequences"]]
+        other_starts = other.get("window_starts") or [0] * len(keys)
+        feats = payload["features"]
+        for j in range(len(feats["top1"])):
+            index = wanted.get((keys[j], int(other_starts[j])))
+            if index is None or index in found or not torch.equal(ids[j], sequences.ids[index]):
+                continue
+            found[index] = {name: feats[name][j].clone() for name in ("hidden", "final", "top1")}
+    return found
+
+
 def compute_features(
     model: PreTrainedModel,
     target_path: Path,
@@ -156,9 +194,12 @@ def compute_features(
 
     model.eval()
     start = len(saved["top1"])
+    reusable = reuse_features(cache_dir, target_path.name, meta, sequences, starts) if start < len(sequences) else {}
+    if reusable:
+        logger.info("reusing the features of %d sequences from other cached sets of this target", len(reusable))
     bar = tqdm(total=len(sequences), initial=start, desc="target features", unit="seq", disable=not progress)
     for index in range(start, len(sequences)):
-        feats = sequence_features(model, sequences.ids[index], layer_ids, starts[index])
+        feats = reusable.pop(index, None) or sequence_features(model, sequences.ids[index], layer_ids, starts[index])
         for key in saved:
             saved[key].append(feats[key])
         bar.update(1)

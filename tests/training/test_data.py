@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import replace
 
 import torch
@@ -129,3 +130,39 @@ def test_the_workloads_mix_is_sampled_evenly_and_keeps_self_contained_prompts(tm
     # One dataset: the plain seeded sample, as before.
     single = replace(cfg, source="math500", num_prompts=5)
     assert prompt_pool(single) == load_prompts("math500", 5, seed=0)
+
+
+def test_extra_prompts_are_added_and_only_they_are_generated(
+    sequences, tiny_target, data_config, data_cache, prompts_file, tmp_path, monkeypatch
+):
+    # Another config that adds every other prompt of the file: the first source's sample is unchanged, and the
+    # answers it already has are taken from the cached set of the first config, not generated again.
+    cache = tmp_path / "cache"
+    shutil.copytree(data_cache, cache)
+    extended = replace(data_config, extra_source=str(prompts_file), extra_prompts=12)
+    pool = prompt_pool(extended)
+    assert pool[: data_config.num_prompts] == prompt_pool(data_config)
+    assert len(pool) == 12 and len({p.id for p in pool}) == 12  # the 4 prompts the first sample left out
+    calls: list[int] = []
+    real = data_module.greedy_answers
+
+    def counting(model, prompts, *args, **kwargs):
+        calls.append(len(prompts))
+        return real(model, prompts, *args, **kwargs)
+
+    monkeypatch.setattr(data_module, "greedy_answers", counting)
+    got = build_sequence_set(tiny_target.model, tiny_target.tokenizer, tiny_target.path, extended, cache, False)
+    assert sum(calls) == 4
+    assert got.keys[: len(sequences)] == sequences.keys
+    assert all(torch.equal(a, b) for a, b in zip(got.ids, sequences.ids))
+    assert len(list(cache.glob("*-seqs-*.pt"))) == 2  # its own cache file; the first config's is untouched
+    # Held-out sequences come from the first source's part only, and are the same as without the extra prompts.
+    train, held = got.split_indices(3, seed=0, among=len(sequences))
+    assert held == sequences.split_indices(3, seed=0)[1]
+    assert sorted(train + held) == list(range(len(got)))
+    # Another answer length shapes the answers: nothing is reused.
+    calls.clear()
+    build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, replace(extended, max_new_tokens=5), cache, False
+    )
+    assert sum(calls) == 12

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -23,9 +24,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def request_for(tiny_llama, data_config, data_cache):
     def make(out: pathlib.Path, **overrides) -> TrainRequest:
-        return tiny_request(
-            target=tiny_llama, out=out, data=data_config, cache_dir=data_cache, progress=False, **overrides
-        )
+        defaults = {"target": tiny_llama, "out": out, "data": data_config, "cache_dir": data_cache, "progress": False}
+        return tiny_request(**{**defaults, **overrides})
 
     return make
 
@@ -144,3 +144,26 @@ def test_cli(tiny_llama, prompts_file, data_cache, tmp_path, capsys):
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)
     assert (out / "config.json").is_file() and (out / "model.safetensors").is_file()
+
+
+def test_resuming_on_a_grown_data_set_keeps_the_draft_vocabulary_and_the_held_out_prompts(
+    request_for, data_config, data_cache, prompts_file, tmp_path
+):
+    cache = tmp_path / "cache"  # the grown set's files stay out of the shared cache
+    shutil.copytree(data_cache, cache)
+    first = train_drafters(request_for(tmp_path, kinds=("eagle3",), stop_after=6, cache_dir=cache))
+    saved_vocab = _state(first["eagle3"].path)["d2t"]
+    held_out = (first["eagle3"].path / "train" / "held_out.jsonl").read_text()
+    grown = replace(data_config, extra_source=str(prompts_file), extra_prompts=12)
+    resumed = train_drafters(
+        request_for(tmp_path, kinds=("eagle3",), data=grown, resume=True, stop_after=9, cache_dir=cache)
+    )
+    result = resumed["eagle3"]
+    assert (result.start_step, result.step) == (6, 9)
+    # The weights were trained over the saved vocabulary, whatever the grown set's frequencies would pick.
+    assert torch.equal(_state(result.path)["d2t"], saved_vocab)
+    assert torch.equal(load_checkpoint_tensors(result.path)["d2t"].to(saved_vocab.dtype), saved_vocab)
+    # The extra prompts only train: the held-out prompts are the same, the held-in ones grew by the 4 new ones.
+    assert (result.path / "train" / "held_out.jsonl").read_text() == held_out
+    held_in = (result.path / "train" / "held_in.jsonl").read_text().splitlines()
+    assert len(held_in) == 12 - len(held_out.splitlines())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import torch
 
 from sglang_tts.training.target import batch_indices, collate, compute_features
@@ -73,3 +75,38 @@ def test_training_window_keeps_the_tail_of_each_sequence(tiny_target, sequences,
         assert torch.equal(windowed.top1[i], features.top1[i][start:])
     assert sequences.windowed(10_000).prompt_lens == sequences.prompt_lens
     assert sequences.window_starts(None) == [0] * len(sequences)
+
+
+def test_features_of_an_extended_set_are_computed_only_for_its_new_sequences(
+    tiny_target, sequences, features, data_cache, data_config, prompts_file, tmp_path, monkeypatch
+):
+    from dataclasses import replace
+
+    from sglang_tts.training import target as target_module
+    from sglang_tts.training.data import build_sequence_set
+
+    cache = tmp_path / "cache"
+    shutil.copytree(data_cache, cache)
+    extended_cfg = replace(data_config, extra_source=str(prompts_file), extra_prompts=12)
+    extended = build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, extended_cfg, cache, False
+    )
+    computed: list[int] = []
+    real = target_module.sequence_features
+
+    def counting(model, ids, *args, **kwargs):
+        computed.append(len(ids))
+        return real(model, ids, *args, **kwargs)
+
+    monkeypatch.setattr(target_module, "sequence_features", counting)
+    got = compute_features(tiny_target.model, tiny_target.path, extended, [-1, 0, 1, 2], cache, False)
+    assert len(computed) == len(extended) - len(sequences) == 4
+    for name in ("hidden", "final", "top1"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(got, name), getattr(features, name)))
+    # The reused ones are what a fresh computation gives.
+    fresh = real(tiny_target.model, extended.ids[0], [-1, 0, 1, 2])
+    assert torch.equal(fresh["hidden"], got.hidden[0])
+    # Other captured layers: another key, nothing reused.
+    computed.clear()
+    compute_features(tiny_target.model, tiny_target.path, extended, [0, 1], cache, False)
+    assert len(computed) == len(extended)
