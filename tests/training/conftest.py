@@ -68,6 +68,25 @@ def features(tiny_target, sequences, data_cache) -> TargetFeatures:
     return compute_features(tiny_target.model, tiny_target.path, sequences, [-1, 0, 1, 2], data_cache, False)
 
 
+@pytest.fixture
+def call_sizes(monkeypatch):
+    """``call_sizes(module, name)`` wraps ``module.name`` for the test and returns the list it appends the
+    length of each call's second argument to (the prompts of a generation batch, the ids of a sequence)."""
+
+    def wrap(module: object, name: str) -> list[int]:
+        sizes: list[int] = []
+        real = getattr(module, name)
+
+        def counting(first, second, *args, **kwargs):
+            sizes.append(len(second))
+            return real(first, second, *args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+        return sizes
+
+    return wrap
+
+
 @pytest.fixture(autouse=True)
 def one_thread():
     """The tiny tensors here gain nothing from intra-op parallelism, and with CI's two cores shared

@@ -39,16 +39,9 @@ def test_sequences_are_prompt_plus_greedy_answer(sequences, tiny_target, data_co
         assert ids[start:].tolist() == hf_greedy(str(tiny_target.path), ids[:start].tolist(), len(ids) - start)
 
 
-def test_cached_set_is_reused_and_partial_sets_resume(sequences, tiny_target, data_config, data_cache, monkeypatch):
+def test_cached_set_is_reused_and_partial_sets_resume(sequences, tiny_target, data_config, data_cache, call_sizes):
     cache_file = next(data_cache.glob("*-seqs-*.pt"))
-    calls: list[int] = []
-    real = data_module.greedy_answers
-
-    def counting(model, prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return real(model, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(data_module, "greedy_answers", counting)
+    calls = call_sizes(data_module, "greedy_answers")
     again = build_sequence_set(
         tiny_target.model, tiny_target.tokenizer, tiny_target.path, data_config, data_cache, False
     )
@@ -133,7 +126,7 @@ def test_the_workloads_mix_is_sampled_evenly_and_keeps_self_contained_prompts(tm
 
 
 def test_extra_prompts_are_added_and_only_they_are_generated(
-    sequences, tiny_target, data_config, data_cache, prompts_file, tmp_path, monkeypatch
+    sequences, tiny_target, data_config, data_cache, prompts_file, tmp_path, call_sizes
 ):
     # Another config that adds every other prompt of the file: the first source's sample is unchanged, and the
     # answers it already has are taken from the cached set of the first config, not generated again.
@@ -143,14 +136,7 @@ def test_extra_prompts_are_added_and_only_they_are_generated(
     pool = prompt_pool(extended)
     assert pool[: data_config.num_prompts] == prompt_pool(data_config)
     assert len(pool) == 12 and len({p.id for p in pool}) == 12  # the 4 prompts the first sample left out
-    calls: list[int] = []
-    real = data_module.greedy_answers
-
-    def counting(model, prompts, *args, **kwargs):
-        calls.append(len(prompts))
-        return real(model, prompts, *args, **kwargs)
-
-    monkeypatch.setattr(data_module, "greedy_answers", counting)
+    calls = call_sizes(data_module, "greedy_answers")
     got = build_sequence_set(tiny_target.model, tiny_target.tokenizer, tiny_target.path, extended, cache, False)
     assert sum(calls) == 4
     assert got.keys[: len(sequences)] == sequences.keys

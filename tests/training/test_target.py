@@ -78,7 +78,7 @@ def test_training_window_keeps_the_tail_of_each_sequence(tiny_target, sequences,
 
 
 def test_features_of_an_extended_set_are_computed_only_for_its_new_sequences(
-    tiny_target, sequences, features, data_cache, data_config, prompts_file, tmp_path, monkeypatch
+    tiny_target, sequences, features, data_cache, data_config, prompts_file, tmp_path, call_sizes
 ):
     from dataclasses import replace
 
@@ -91,14 +91,8 @@ def test_features_of_an_extended_set_are_computed_only_for_its_new_sequences(
     extended = build_sequence_set(
         tiny_target.model, tiny_target.tokenizer, tiny_target.path, extended_cfg, cache, False
     )
-    computed: list[int] = []
     real = target_module.sequence_features
-
-    def counting(model, ids, *args, **kwargs):
-        computed.append(len(ids))
-        return real(model, ids, *args, **kwargs)
-
-    monkeypatch.setattr(target_module, "sequence_features", counting)
+    computed = call_sizes(target_module, "sequence_features")
     got = compute_features(tiny_target.model, tiny_target.path, extended, [-1, 0, 1, 2], cache, False)
     assert len(computed) == len(extended) - len(sequences) == 4
     for name in ("hidden", "final", "top1"):
