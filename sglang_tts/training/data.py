@@ -51,6 +51,10 @@ class DataConfig:
     extra_source: str | None = None  # a second source added to the first one's prompts (e.g. code-edit)
     extra_prompts: int = 0  # how many of it (a seeded sample)
 
+    @property
+    def has_extra(self) -> bool:
+        return self.extra_source is not None and self.extra_prompts > 0
+
 
 @dataclass
 class SequenceSet:
@@ -154,7 +158,7 @@ def prompt_pool(cfg: DataConfig) -> list[Prompt]:
         pool = balanced_sample(prompts, n, cfg.seed)
     else:
         pool = load_prompts(cfg.source, n, seed=cfg.seed)
-    if cfg.extra_source is None or cfg.extra_prompts <= 0:
+    if not cfg.has_extra:
         return pool
     available = len(load_prompts(cfg.extra_source))
     extra = load_prompts(cfg.extra_source, min(cfg.extra_prompts, available), seed=cfg.seed)
@@ -269,7 +273,7 @@ def build_sequence_set(
     meta = {"format": DATA_FORMAT, "target": target_identity(target_path), **asdict(cfg)}
     meta.pop("batch_size")  # neither changes the greedy answers' meaning
     meta.pop("batch_prompt_tokens")
-    if cfg.extra_source is None or cfg.extra_prompts <= 0:  # sets made before the option keep their names
+    if not cfg.has_extra:  # sets made before the option keep their names
         meta.pop("extra_source")
         meta.pop("extra_prompts")
     cache_file = cache_dir / f"{target_path.name}-seqs-{fingerprint(meta)}.pt"

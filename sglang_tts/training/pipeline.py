@@ -133,9 +133,10 @@ def saved_draft_vocab(state_dir: Path, resume: bool) -> torch.Tensor | None:
     """On ``--resume``, the draft vocabulary (target ids) the saved EAGLE-3 state was trained with: its weights
     only mean something over those ids, even when the resumed run's data (whose frequencies would choose
     another vocabulary) has grown. None when not resuming or nothing is saved."""
-    if not resume or training_state_step(state_dir) is None:
+    state_file = state_dir / STATE_FILE
+    if not resume or not state_file.is_file():
         return None
-    d2t = load_training_state(state_dir / STATE_FILE)["model"]["d2t"]
+    d2t = load_training_state(state_file)["model"]["d2t"]
     return d2t + torch.arange(d2t.numel())
 
 

@@ -121,25 +121,31 @@ def sequence_features(
     }
 
 
+def sequences_fingerprint(keys: list[str], ids: list[torch.Tensor]) -> str:
+    """What a feature file's ``sequences`` entry names: the keys and token ids of the set it was computed for."""
+    return fingerprint({"keys": keys, "ids": [row.tolist() for row in ids]})
+
+
 def reuse_features(
     cache_dir: Path,
     target_name: str,
     meta: dict[str, Any],
     sequences: SequenceSet,
     starts: list[int],
+    first: int = 0,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """Features other cached feature files of the same target and layers already hold for ``sequences``:
     index -> features of a sequence with the same key, the same ids and the same window start. The sequences
     behind a feature file are found through the sequence caches beside it (its ``sequences`` fingerprint), so a
-    training set that extends an older one computes only the new sequences."""
-    wanted = {(key, int(start)): index for index, (key, start) in enumerate(zip(sequences.keys, starts))}
+    training set that extends an older one computes only the new sequences. Only indices from ``first`` on are
+    looked for (those before it are already in this set's own file)."""
+    wanted = {
+        (key, int(start)): index for index, (key, start) in enumerate(zip(sequences.keys, starts)) if index >= first
+    }
     known: dict[str, tuple[list[str], list[torch.Tensor]]] = {}
     for path in cache_dir.glob(f"{target_name}-seqs-*.pt"):
         saved = torch.load(path, map_location="cpu", weights_only=True)
-        known[fingerprint({"keys": saved["keys"], "ids": [ids.tolist() for ids in saved["ids"]]})] = (
-            saved["keys"],
-            saved["ids"],
-        )
+        known[sequences_fingerprint(saved["keys"], saved["ids"])] = (saved["keys"], saved["ids"])
     found: dict[int, dict[str, torch.Tensor]] = {}
     for path in sorted(cache_dir.glob(f"{target_name}-feats-*.pt")):
         payload = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -180,7 +186,7 @@ def compute_features(
         )
     meta = {
         "target": target_identity(target_path),
-        "sequences": fingerprint({"keys": sequences.keys, "ids": [ids.tolist() for ids in sequences.ids]}),
+        "sequences": sequences_fingerprint(sequences.keys, sequences.ids),
         "layer_ids": layer_ids,
     }
     starts = sequences.window_starts(context)
@@ -194,7 +200,9 @@ def compute_features(
 
     model.eval()
     start = len(saved["top1"])
-    reusable = reuse_features(cache_dir, target_path.name, meta, sequences, starts) if start < len(sequences) else {}
+    reusable = (
+        reuse_features(cache_dir, target_path.name, meta, sequences, starts, start) if start < len(sequences) else {}
+    )
     if reusable:
         logger.info("reusing the features of %d sequences from other cached sets of this target", len(reusable))
     bar = tqdm(total=len(sequences), initial=start, desc="target features", unit="seq", disable=not progress)
