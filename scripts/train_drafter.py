@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     dflash.add_argument("--block-size", type=int, default=None, help="block size (default 8)")
     dflash.add_argument("--dflash-layers", type=int, default=None, help="decoder layers (default 2)")
     dflash.add_argument("--anchors", type=int, default=None, help="blocks per sequence per step (default 32)")
+    dflash.add_argument(
+        "--dflash-target-layers",
+        type=int,
+        nargs="+",
+        default=None,
+        help="output-of-layer ids the drafter reads (default: 3 spaced as SGLang does; e.g. the EAGLE-3 capture "
+        "to share its cached features)",
+    )
     dflash.add_argument("--mask-token-id", type=int, default=None, help="MASK id (default: an unused special token)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress bars or log lines")
     return parser
@@ -160,6 +168,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         block_size=args.block_size,
         num_layers=args.dflash_layers,
         num_anchors=args.anchors,
+        target_layer_ids=args.dflash_target_layers,
         mask_token_id=args.mask_token_id,
         batch_size=args.batch_size,
     )

@@ -3,7 +3,8 @@
 - Features: the concat of ``num_target_features`` target layers (output-of-layer ids), spaced as
   SGLang/SpecForge space them (``build_target_layer_ids``: 1 .. N - 3) and written to
   ``dflash_config.target_layer_ids``; targets too shallow for that spacing use
-  ``default_dflash_target_layer_ids``.
+  ``default_dflash_target_layer_ids``. Explicit ids (``target_layer_ids``) may choose others, e.g. the
+  EAGLE-3 drafter's capture, so that both kinds train from one cached feature file.
 - Blocks: each step samples up to ``num_anchors`` anchors a per sequence (without replacement)
   among positions whose next token is an answer token. Block = ``[x_a, MASK * (block_size - 1)]``
   at positions a .. a + block_size - 1; it sees the target features of every token before a
@@ -47,7 +48,7 @@ class DFlashTrainConfig:
     block_size: int = 8
     num_layers: int = 2
     num_target_features: int = 3
-    target_layer_ids: list[int] | None = None  # None: spaced over the target (module docstring)
+    target_layer_ids: list[int] | None = None  # None: num_target_features spaced over the target (module docstring)
     num_anchors: int = 32  # blocks per sequence per step
     loss_gamma: float | None = None  # None: DFLASH_GAMMA_BY_BLOCK / 7 * block_size / 16
     mask_token_id: int | None = None  # None: pick_mask_token_id
@@ -90,11 +91,15 @@ def build_dflash(
     target: TargetWeights, cfg: DFlashTrainConfig, mask_token_id: int, seed: int
 ) -> tuple[DFlashDrafter, dict[str, Any]]:
     """A freshly initialised DFlash drafter for `target`, and its config."""
-    layer_ids = (
-        list(cfg.target_layer_ids)
-        if cfg.target_layer_ids is not None
-        else dflash_target_layer_ids(target.num_layers, cfg.num_target_features)
-    )
+    if cfg.target_layer_ids is None:
+        layer_ids = dflash_target_layer_ids(target.num_layers, cfg.num_target_features)
+    else:
+        layer_ids = [int(i) for i in cfg.target_layer_ids]
+        if layer_ids != sorted(set(layer_ids)) or not all(0 <= i <= target.num_layers - 2 for i in layer_ids):
+            raise ValueError(
+                f"DFlash target layers {layer_ids}: give distinct increasing output-of-layer ids "
+                f"in 0..{target.num_layers - 2} (the target has {target.num_layers} layers)"
+            )
     config = dflash_config(
         target.config,
         block_size=cfg.block_size,

@@ -140,6 +140,23 @@ def saved_draft_vocab(state_dir: Path, resume: bool) -> torch.Tensor | None:
     return d2t + torch.arange(d2t.numel())
 
 
+def saved_dflash_choices(out: Path, cfg: DFlashTrainConfig, resume: bool) -> DFlashTrainConfig:
+    """On ``--resume``, ``cfg`` with the MASK id and target layers the saved DFlash drafter was trained with:
+    its weights only mean something for those, and a grown data set could pick another MASK id. A value given
+    explicitly must agree with the saved one."""
+    config_file = out / "config.json"
+    if not resume or not (out / TRAIN_SUBDIR / STATE_FILE).is_file() or not config_file.is_file():
+        return cfg
+    saved = json.loads(config_file.read_text())["dflash_config"]
+    choices = {"mask_token_id": int(saved["mask_token_id"]), "target_layer_ids": list(saved["target_layer_ids"])}
+    for name, value in choices.items():
+        given = getattr(cfg, name)
+        given = list(given) if isinstance(given, (list, tuple)) else given
+        if given is not None and given != value:
+            raise ValueError(f"--resume: the DFlash drafter in {out} was trained with {name} {value}, not {given}")
+    return replace(cfg, **choices)
+
+
 def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
     """Build the data (cached), then train, evaluate and write each requested drafter kind."""
     unknown = set(request.kinds) - set(KINDS)
@@ -175,10 +192,13 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
             used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
         drafters["eagle3"] = build_eagle3(target, request.eagle3, used, request.seed)
     if "dflash" in request.kinds:
-        mask_id = request.dflash.mask_token_id
+        dflash_cfg = saved_dflash_choices(
+            output_dir(request, target_path.name, "dflash"), request.dflash, request.resume
+        )
+        mask_id = dflash_cfg.mask_token_id
         if mask_id is None:
             mask_id = pick_mask_token_id(tokenizer, sequences, target.vocab_size)
-        drafters["dflash"] = build_dflash(target, request.dflash, mask_id, request.seed)
+        drafters["dflash"] = build_dflash(target, dflash_cfg, mask_id, request.seed)
     layer_ids = sorted(
         {
             i

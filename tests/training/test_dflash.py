@@ -37,6 +37,15 @@ def test_layer_ids_and_gamma_defaults():
     assert DFlashTrainConfig(block_size=8, loss_gamma=2.5).gamma() == 2.5
 
 
+def test_explicit_target_layers_are_written_and_checked(tiny_target):
+    weights = tiny_target.weights  # 4 layers: output-of-layer ids 0..2 are capturable
+    _, config = build_dflash(weights, replace(CFG, target_layer_ids=[0, 2]), mask_token_id=5, seed=0)
+    assert config["dflash_config"]["target_layer_ids"] == [0, 2]
+    for bad in ([2, 0], [1, 1], [0, 3]):
+        with pytest.raises(ValueError, match="DFlash target layers"):
+            build_dflash(weights, replace(CFG, target_layer_ids=bad), mask_token_id=5, seed=0)
+
+
 def test_mask_token_is_an_unused_special_token(tiny_target, sequences, drafter_and_config):
     tok = tiny_target.tokenizer
     system = tok.convert_tokens_to_ids("<|system|>")  # a special token the chat prompts never use

@@ -140,6 +140,9 @@ def test_cli(tiny_llama, prompts_file, data_cache, tmp_path, capsys):
     args = cli.build_parser().parse_args(argv)
     request = cli.request_from_args(args)
     assert request.kinds == ("eagle3",) and request.steps == 3 and request.optim.lr == 5e-4
+    assert request.dflash.target_layer_ids is None
+    layered = cli.request_from_args(cli.build_parser().parse_args([*argv, "--dflash-target-layers", "0", "2"]))
+    assert layered.dflash.target_layer_ids == [0, 2]
     assert request.eagle3.draft_vocab_size == tiny_request().eagle3.draft_vocab_size  # --tiny defaults kept
     assert cli.main(argv) == 0
     assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)
@@ -167,3 +170,17 @@ def test_resuming_on_a_grown_data_set_keeps_the_draft_vocabulary_and_the_held_ou
     assert (result.path / "train" / "held_out.jsonl").read_text() == held_out
     held_in = (result.path / "train" / "held_in.jsonl").read_text().splitlines()
     assert len(held_in) == 12 - len(held_out.splitlines())
+
+
+def test_resumed_dflash_keeps_its_mask_token_and_target_layers(request_for, tmp_path):
+    first = train_drafters(request_for(tmp_path, kinds=("dflash",), stop_after=4))
+    saved = json.loads((first["dflash"].path / "config.json").read_text())["dflash_config"]
+    # A resumed run that does not name them takes the saved choices, whatever the data would pick now.
+    resumed = train_drafters(request_for(tmp_path, kinds=("dflash",), resume=True, stop_after=6))
+    assert (resumed["dflash"].start_step, resumed["dflash"].step) == (4, 6)
+    assert json.loads((resumed["dflash"].path / "config.json").read_text())["dflash_config"] == saved
+    # One that names other layers is refused, naming both.
+    other = replace(tiny_request().dflash, target_layer_ids=[0])
+    assert saved["target_layer_ids"] != [0]
+    with pytest.raises(ValueError, match=r"trained with target_layer_ids .* not \[0\]"):
+        train_drafters(request_for(tmp_path, kinds=("dflash",), resume=True, dflash=other))
