@@ -474,9 +474,10 @@ class Eagle3Drafter(nn.Module):
         positions: torch.Tensor,
         row_mask: torch.Tensor | None = None,
         steps: int = 7,
+        first_row: int = 0,
     ) -> list[torch.Tensor]:
         """Training-time-test unroll over whole sequences (EAGLE-3 / SpecForge recipe): normed hidden
-        [B, T, H] for each of `steps` draft steps.
+        [B, T - first_row, H] of rows first_row.. for each of `steps` draft steps.
 
         Same conventions as `extend`: row t of step 0 consumes `features[:, t]` (the target feature
         of the token before `input_ids[:, t]`) and the embedding of `input_ids[:, t]`. Step j > 0
@@ -486,20 +487,29 @@ class Eagle3Drafter(nn.Module):
         rows only) and to its own rows of steps 1..j -- exactly what `canvas_hidden` computes for
         that chain with the step-0 rows before t as `past_kv`. Ids past the end repeat the last one
         (those rows have no label; callers mask them).
+
+        Steps j > 0 are row-local apart from the step-0 keys, so they run only for rows first_row.. (the
+        rows a caller labels): a long prompt before a short answer then costs one causal pass, not `steps`.
+        Every row's result is the same as with first_row 0.
         """
         b, t = input_ids.shape
+        if not 0 <= first_row < t:
+            raise ValueError(f"first_row {first_row} outside the {t} rows")
         device = input_ids.device
         if row_mask is None:
             row_mask = torch.ones(b, t, dtype=torch.bool, device=device)
-        eye = torch.eye(t, dtype=torch.bool, device=device)[None].expand(b, t, t)
-        causal = (torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))[None] & row_mask[:, None, :]) | eye
-        hidden = self.project_features(features)
-        cache: KVCache | None = None
-        outputs: list[torch.Tensor] = []
-        for j in range(steps):
-            ids = input_ids if j == 0 else torch.cat((input_ids[:, j:], input_ids[:, -1:].expand(b, min(j, t))), 1)
-            visible = torch.cat([causal] + [eye] * j, dim=-1)
-            out = self._forward_layers(self.embed(ids), hidden, positions + j - 1, cache, visible)
+        causal = (torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))[None] & row_mask[:, None, :]) | (
+            torch.eye(t, dtype=torch.bool, device=device)[None]
+        )
+        rows = t - first_row
+        eye = torch.eye(rows, dtype=torch.bool, device=device)[None].expand(b, rows, rows)
+        out = self._forward_layers(self.embed(input_ids), self.project_features(features), positions - 1, None, causal)
+        outputs = [out.hidden[:, first_row:]]
+        hidden, cache = out.aux[:, first_row:], out.kv
+        for j in range(1, steps):
+            ids = torch.cat((input_ids[:, j:], input_ids[:, -1:].expand(b, min(j, t))), 1)[:, first_row:]
+            visible = torch.cat([causal[:, first_row:]] + [eye] * j, dim=-1)
+            out = self._forward_layers(self.embed(ids), hidden, positions[:, first_row:] + j - 1, cache, visible)
             outputs.append(out.hidden)
             hidden = out.aux
             cache = append_kv(cache, out.kv)

@@ -10,7 +10,9 @@
   ``drafter_checkpoints.draft_vocab_maps``.
 - Training-time test: ``Eagle3Drafter.ttt_hidden`` unrolls ``ttt_steps`` (7) draft steps over whole
   sequences; step j feeds the drafter its own hidden from step j - 1 (RoPE positions advance with
-  j, as in SGLang's chain drafting). Row t of step j predicts the token at t + j + 2.
+  j, as in SGLang's chain drafting). Row t of step j predicts the token at t + j + 2. Steps after the
+  first run only from the first row any step labels (``first_labelled_row``): a window's prompt rows
+  feed the answer rows through step 0's keys alone.
 - Loss: per step, soft cross-entropy against the target distribution restricted to the draft
   vocabulary and renormalised (teacher logits recomputed from the cached final hidden state through
   the target LM head rows of the draft vocabulary), over answer tokens whose target top-1 lies in
@@ -96,9 +98,20 @@ def build_eagle3(
 class Unroll:
     """One TTT forward over a batch: per step, the rows that carry a label."""
 
-    hidden: list[torch.Tensor]  # per step [B, T, H]
+    hidden: list[torch.Tensor]  # per step [B, T - first, H]: rows first..T - 1
     teacher_logp: torch.Tensor  # [B, L, V_draft] target log-probs on the draft vocabulary
     t: int  # rows per sequence (L - 1)
+    first: int  # the first row any step labels (first_labelled_row)
+
+
+def first_labelled_row(batch: Batch, steps: int) -> int:
+    """Row t of step j predicts the token at t + j + 2, so no step labels a row before the batch's first
+    answer position - steps - 1: the unroll runs steps > 0 from there (``Eagle3Drafter.ttt_hidden``)."""
+    has_answer = batch.answer.any(1)
+    if not bool(has_answer.any()):
+        return 0
+    first_answer = int(batch.answer.int().argmax(1)[has_answer].min())
+    return min(max(0, first_answer - steps - 1), batch.ids.shape[1] - 2)
 
 
 def unroll(
@@ -107,18 +120,20 @@ def unroll(
     b, length = batch.ids.shape
     features = batch.hidden[:, :, aux_index].flatten(2)
     positions = torch.arange(1, length).expand(b, length - 1)
-    hidden = drafter.ttt_hidden(batch.ids[:, 1:], features[:, :-1], positions, batch.real[:, 1:], steps)
+    first = first_labelled_row(batch, steps)
+    hidden = drafter.ttt_hidden(batch.ids[:, 1:], features[:, :-1], positions, batch.real[:, 1:], steps, first)
     teacher_logp = torch.log_softmax(batch.final @ teacher_head.T, dim=-1)
-    return Unroll(hidden, teacher_logp, length - 1)
+    return Unroll(hidden, teacher_logp, length - 1, first)
 
 
-def step_rows(batch: Batch, step: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """For TTT step `step`: [B, T] mask of rows t whose prediction (the token at t + step + 2) is an
-    answer token, and the teacher position t + step + 1 of every row (clamped)."""
+def step_rows(batch: Batch, step: int, rows: int, first: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """For TTT step `step`, over rows first..rows - 1: [B, rows - first] mask of rows t whose prediction
+    (the token at t + step + 2) is an answer token, and the teacher position t + step + 1 of every row
+    (clamped)."""
     length = batch.ids.shape[1]
-    predicted = torch.arange(rows) + step + 2
+    predicted = torch.arange(first, rows) + step + 2
     in_range = predicted < length
-    label = torch.zeros(batch.ids.shape[0], rows, dtype=torch.bool)
+    label = torch.zeros(batch.ids.shape[0], rows - first, dtype=torch.bool)
     label[:, in_range] = batch.answer[:, predicted[in_range]]
     return label, (predicted - 1).clamp(max=length - 1)
 
@@ -152,7 +167,7 @@ class Eagle3Objective:
         total = out.hidden[0].sum() * 0.0  # stays in the graph when no row carries a label
         metrics: dict[str, float] = {}
         for j, weight in enumerate(self.weights):
-            label, teacher_pos = step_rows(batch, j, out.t)
+            label, teacher_pos = step_rows(batch, j, out.t, out.first)
             rows = label & in_draft.gather(1, teacher_pos.expand_as(label))
             b_idx, t_idx = rows.nonzero(as_tuple=True)
             if b_idx.numel() == 0:
@@ -192,13 +207,13 @@ def evaluate_eagle3(objective: Eagle3Objective, sequences: SequenceSet, features
         out = unroll(drafter, batch, objective.aux_index, objective.teacher_head, steps)
         hits = []
         for j in range(steps):
-            label, teacher_pos = step_rows(batch, j, out.t)
+            label, teacher_pos = step_rows(batch, j, out.t, out.first)
             pick = d2t_ids[(out.hidden[j] @ head.T).argmax(-1)]
             hit = (pick == batch.top1.gather(1, teacher_pos[None])) & label
             correct[j] += hit.sum()
             counted[j] += label.sum()
             hits.append(hit)
-        full, _ = step_rows(batch, steps - 1, out.t)  # rows whose whole chain is labelled
+        full, _ = step_rows(batch, steps - 1, out.t, out.first)  # rows whose whole chain is labelled
         run = torch.stack(hits, -1).cumprod(-1).sum(-1)
         accepted += float(run[full].sum())
         chains += int(full.sum())

@@ -10,11 +10,14 @@ import torch
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.drafters.loading import check_compatible
 from sglang_tts.kernels import gather_draft_probs
+from sglang_tts.training import eagle3 as eagle3_module
 from sglang_tts.training.eagle3 import (
     Eagle3Objective,
     Eagle3TrainConfig,
     build_eagle3,
     eagle3_aux_layer_ids,
+    evaluate_eagle3,
+    first_labelled_row,
     frequency_draft_vocab,
     sglang_default_aux_layer_ids,
     unroll,
@@ -94,6 +97,57 @@ def test_ttt_unroll_is_sglang_chain_drafting(drafter_and_config):
             expected = drafter.canvas_hidden(canvas)
             for j in range(chain):
                 assert torch.allclose(hidden[j][row, t], expected[0, j], atol=1e-5), (row, t, j)
+
+
+def test_later_steps_from_first_row_equal_the_full_unroll(drafter_and_config):
+    drafter, _ = drafter_and_config
+    gen = torch.Generator().manual_seed(1)
+    b, length, steps, first = 2, 11, 4, 6
+    ids = torch.randint(0, 1024, (b, length), generator=gen)
+    feats = torch.randn(b, length, drafter.fc.in_features, generator=gen)
+    positions = (torch.arange(length) + 1).expand(b, length)
+    rows = torch.ones(b, length, dtype=torch.bool)
+    rows[1, 8:] = False
+    with torch.no_grad():
+        full = drafter.ttt_hidden(ids, feats, positions, rows, steps)
+        part = drafter.ttt_hidden(ids, feats, positions, rows, steps, first_row=first)
+    assert len(part) == steps
+    for j in range(steps):
+        assert part[j].shape == (b, length - first, drafter.cfg.hidden_size)
+        assert torch.allclose(part[j], full[j][:, first:], atol=1e-5), j
+    with pytest.raises(ValueError, match="first_row"):
+        drafter.ttt_hidden(ids, feats, positions, rows, steps, first_row=length)
+
+
+def test_loss_and_eval_skip_only_unlabelled_rows(drafter_and_config, tiny_target, sequences, features, monkeypatch):
+    """The unroll skips rows before the first labelled one; loss, gradients and held-out metrics are those of
+    the full unroll."""
+    drafter, _ = drafter_and_config
+    objective = Eagle3Objective(drafter, CFG, sequences, features, tiny_target.weights, seed=0)
+    batch = objective.batch(0)
+    first = first_labelled_row(batch, CFG.ttt_steps)
+    assert first > 0  # the prompts are longer than the unroll: rows are skipped
+    answer_starts = batch.answer.int().argmax(1)
+    assert first == int(answer_starts.min()) - CFG.ttt_steps - 1
+
+    def loss_and_grads():
+        drafter.zero_grad()
+        loss, metrics = objective.loss(batch)
+        loss.backward()
+        return loss.detach(), metrics, {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    loss, metrics, grads = loss_and_grads()
+    held = evaluate_eagle3(objective, sequences.subset([0, 1]), features.subset([0, 1]))
+    monkeypatch.setattr(eagle3_module, "first_labelled_row", lambda batch, steps: 0)
+    full_loss, full_metrics, full_grads = loss_and_grads()
+    full_held = evaluate_eagle3(objective, sequences.subset([0, 1]), features.subset([0, 1]))
+    assert torch.allclose(loss, full_loss, atol=1e-5)
+    assert metrics == pytest.approx(full_metrics, abs=1e-5)
+    assert grads.keys() == full_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.allclose(grad, full_grads[name], atol=1e-5), name
+    assert held["acc"] == full_held["acc"] and held["accept_len"] == full_held["accept_len"]
+    assert held["loss"] == pytest.approx(full_held["loss"], abs=1e-5)
 
 
 def test_teacher_is_the_target_restricted_to_the_draft_vocab(drafter_and_config, tiny_target, sequences, features):
