@@ -1,4 +1,4 @@
-"""Tiny random target models (Llama and Qwen3 layouts) with a real tokenizer, for the smoke benchmark
+"""Tiny random target models (Llama, Qwen2 and Qwen3 layouts) with a real tokenizer, for the smoke benchmark
 and the tests.
 
 They are saved exactly as a Hugging Face checkpoint folder (config.json, model.safetensors,
@@ -25,7 +25,7 @@ SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", "<|end|>", "<|user|>", "<|ass
 
 @dataclass
 class TinyTargetSpec:
-    arch: str = "llama"  # "llama" | "qwen3"
+    arch: str = "llama"  # "llama" | "qwen2" | "qwen3"
     vocab_size: int = 1024
     hidden_size: int = 64
     intermediate_size: int = 128
@@ -95,9 +95,11 @@ def hf_config(spec: TinyTargetSpec, tokenizer) -> dict:
     )
     if spec.arch == "llama":
         return dict(common, architectures=["LlamaForCausalLM"], model_type="llama", attention_bias=False)
+    if spec.arch == "qwen2":  # q/k/v projections with bias, as Qwen2.5
+        return dict(common, architectures=["Qwen2ForCausalLM"], model_type="qwen2")
     if spec.arch == "qwen3":
         return dict(common, architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=False)
-    raise ValueError(f"unknown tiny target arch {spec.arch!r} (llama | qwen3)")
+    raise ValueError(f"unknown tiny target arch {spec.arch!r} (llama | qwen2 | qwen3)")
 
 
 def write_tiny_target(out_dir: str | pathlib.Path, spec: TinyTargetSpec | None = None) -> pathlib.Path:
