@@ -61,12 +61,17 @@ class DFlashTrainConfig:
         return DFLASH_GAMMA_BY_BLOCK.get(self.block_size, 7.0 * self.block_size / 16)
 
 
+def capturable_layer_ids(ids: list[int], num_target_layers: int) -> bool:
+    """Distinct increasing output-of-layer ids SGLang can capture for DFlash (0 .. N - 2)."""
+    return ids == sorted(set(ids)) and all(0 <= i <= num_target_layers - 2 for i in ids)
+
+
 def dflash_target_layer_ids(num_target_layers: int, count: int) -> list[int]:
     try:
         ids = build_target_layer_ids(num_target_layers, count)
     except ValueError:
         ids = []
-    if len(ids) == count and ids == sorted(set(ids)) and all(0 <= i <= num_target_layers - 2 for i in ids):
+    if len(ids) == count and capturable_layer_ids(ids, num_target_layers):
         return ids
     return default_dflash_target_layer_ids(num_target_layers, count)
 
@@ -95,7 +100,7 @@ def build_dflash(
         layer_ids = dflash_target_layer_ids(target.num_layers, cfg.num_target_features)
     else:
         layer_ids = [int(i) for i in cfg.target_layer_ids]
-        if layer_ids != sorted(set(layer_ids)) or not all(0 <= i <= target.num_layers - 2 for i in layer_ids):
+        if not capturable_layer_ids(layer_ids, target.num_layers):
             raise ValueError(
                 f"DFlash target layers {layer_ids}: give distinct increasing output-of-layer ids "
                 f"in 0..{target.num_layers - 2} (the target has {target.num_layers} layers)"
