@@ -4,7 +4,9 @@ A shipped drafter is a folder under ``sglang_tts/drafters/shipped/<target>-<kind
 layout SGLang loads (``config.json`` + ``model.safetensors``), its floating-point tensors stored in
 fp16 to halve the download; SGLang's loader and :func:`sglang_tts.drafters.loading.load_drafter` cast
 them to the server's dtype (fp32 on CPU) when they load. Beside them, ``training.json`` records the
-commands that trained and shipped the folder and the training summary (held-out acceptance, timings).
+commands that trained and shipped the folder and the training summary (held-out acceptance, timings),
+and ``answers.safetensors``, the target's greedy answers the drafter was trained on (answer ids only), so
+that training again on a fresh machine does not generate them again (hours on a 2-core CPU).
 
     python scripts/train_drafter.py --kind eagle3 ...          # writes the fp32 checkpoint to the cache
     python scripts/ship_drafter.py --kind eagle3               # the compact copy, into this folder
@@ -24,6 +26,7 @@ from sglang_tts.drafters.loading import load_checkpoint_tensors, read_config
 
 SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
 TRAINING_RECORD = "training.json"
+ANSWERS = "answers.safetensors"  # the target's answers a drafter was trained on (training.data.export_answers)
 
 
 def shipped_drafter(target_name: str, kind: str = "eagle3") -> Path | None:
@@ -32,6 +35,12 @@ def shipped_drafter(target_name: str, kind: str = "eagle3") -> Path | None:
     if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
         return folder
     return None
+
+
+def shipped_answers(target_name: str) -> list[Path]:
+    """The answer files shipped with the drafters of `target_name`: the target's greedy answers they were
+    trained on, which training on a fresh machine then reuses instead of generating them again."""
+    return sorted(SHIPPED_ROOT.glob(f"{target_name}-*/{ANSWERS}"))
 
 
 def write_compact(

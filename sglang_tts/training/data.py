@@ -8,7 +8,10 @@ the prompt is context. Generation runs in left-padded batches (fp32, CPU).
 
 The set is cached with ``torch.save`` under a name derived from everything that shapes it (target
 weights, prompt source, count, seed, lengths), and written after every generation batch, so an
-interrupted build resumes where it stopped and a rerun costs nothing.
+interrupted build resumes where it stopped and a rerun costs nothing. Answers can also come from
+another cached set of the same target, or from an exported file (``export_answers``: the answer ids
+only, as a shipped drafter carries the answers it was trained on), so a fresh machine or a grown set
+generates only what no set holds yet.
 """
 
 from __future__ import annotations
@@ -17,12 +20,14 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, Prompt, format_chat, load_prompts
@@ -233,29 +238,91 @@ def generation_batches(
 ANSWER_SHAPING = ("format", "target", "max_new_tokens", "instruction")  # what a greedy answer depends on
 
 
+def prompt_digest(ids: list[int]) -> str:
+    """A short hash of a prompt's token ids: exported answers name their prompt by it, not by its ids."""
+    return hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
+
+
+@dataclass
+class AnswerSet:
+    """Greedy answers another set holds, by prompt: what `reuse_answers` can take from it."""
+
+    shaping: str  # fingerprint of the ANSWER_SHAPING settings they were made with
+    keys: list[str]
+    prompt_lens: list[int]
+    prompt_digests: list[str]
+    answers: list[torch.Tensor]  # int64 [A_i]: the answer ids only
+
+
+def shaping_fingerprint(meta: dict[str, Any]) -> str:
+    return fingerprint({name: meta.get(name) for name in ANSWER_SHAPING})
+
+
+def read_answer_set(path: Path) -> AnswerSet:
+    """The answers of a cached set (``*-seqs-*.pt``) or of an exported file (`export_answers`, safetensors)."""
+    if path.suffix == ".pt":
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        starts = [int(n) for n in saved["prompt_lens"]]
+        return AnswerSet(
+            shaping_fingerprint(saved["meta"]),
+            list(saved["keys"]),
+            starts,
+            [prompt_digest(ids[:n].tolist()) for ids, n in zip(saved["ids"], starts)],
+            [ids[n:] for ids, n in zip(saved["ids"], starts)],
+        )
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata()
+    lens = tensors["answer_lens"].tolist()
+    return AnswerSet(
+        header["shaping"],
+        json.loads(header["keys"]),
+        tensors["prompt_lens"].tolist(),
+        json.loads(header["prompt_digests"]),
+        [a.long() for a in tensors["answers"].split(lens)],
+    )
+
+
+def export_answers(cache_file: Path, path: Path) -> dict[str, int]:
+    """Write the answers of the cached set `cache_file` compactly to `path` (safetensors: the answer ids as one
+    int32 tensor; the keys, prompt digests and answer-shaping fingerprint in its header). Prompts are not stored:
+    they are rendered again from their source and must match the digest. A fresh machine whose cache lacks
+    the set then generates none of these answers (`build_sequence_set(..., exported=[path])`)."""
+    got = read_answer_set(Path(cache_file))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "answers": torch.cat(got.answers).to(torch.int32),
+        "answer_lens": torch.tensor([len(a) for a in got.answers], dtype=torch.int64),
+        "prompt_lens": torch.tensor(got.prompt_lens, dtype=torch.int64),
+    }
+    header = {"shaping": got.shaping, "keys": json.dumps(got.keys), "prompt_digests": json.dumps(got.prompt_digests)}
+    save_file(tensors, str(path), metadata=header)
+    return {"sequences": len(got.keys), "answer_tokens": int(tensors["answers"].numel())}
+
+
 def reuse_answers(
-    cache_dir: Path,
-    target_name: str,
+    sources: Sequence[Path],
     meta: dict[str, Any],
     encoded: list[tuple[str, list[int]]],
     done: dict[str, tuple[torch.Tensor, int]],
 ) -> int:
-    """Fill ``done`` with answers other cached sets of the same target already hold: a set with the same
-    answer-shaping settings (``ANSWER_SHAPING``) whose sequence has the same key and exactly the same prompt
-    ids. Greedy answers depend on nothing else, so a set that adds prompts to an older one generates only the
-    new ones. Returns how many were reused."""
+    """Fill ``done`` with answers other sets already hold (cached sets of the same target, exported files): a set
+    made with the same answer-shaping settings (``ANSWER_SHAPING``) whose sequence has the same key and the same
+    prompt ids (length and digest). Greedy answers depend on nothing else, so a set that adds prompts to an
+    older one generates only the new ones. Returns how many were reused."""
     wanted = {key: ids for key, ids in encoded if key not in done}
+    shaping = shaping_fingerprint(meta)
     count = 0
-    for other in sorted(cache_dir.glob(f"{target_name}-seqs-*.pt")):
+    for source in sources:
         if not wanted:
             break
-        saved = torch.load(other, map_location="cpu", weights_only=True)
-        if any(saved["meta"].get(name) != meta.get(name) for name in ANSWER_SHAPING):
+        other = read_answer_set(source)
+        if other.shaping != shaping:
             continue
-        for key, ids, start in zip(saved["keys"], saved["ids"], saved["prompt_lens"]):
+        for key, start, digest, answer in zip(other.keys, other.prompt_lens, other.prompt_digests, other.answers):
             prompt = wanted.get(key)
-            if prompt is not None and int(start) == len(prompt) and ids[: int(start)].tolist() == prompt:
-                done[key] = (ids, int(start))
+            if prompt is not None and start == len(prompt) and digest == prompt_digest(prompt):
+                done[key] = (torch.cat([torch.tensor(prompt, dtype=torch.long), answer]), start)
                 del wanted[key]
                 count += 1
     return count
@@ -268,8 +335,10 @@ def build_sequence_set(
     cfg: DataConfig,
     cache_dir: Path,
     progress: bool = True,
+    exported: Sequence[Path] = (),
 ) -> SequenceSet:
-    """Generate (or load from cache / resume) the training set; see the module docstring."""
+    """Generate (or load from cache / resume) the training set; see the module docstring. Answers found in other
+    cached sets of the target or in the `exported` answer files (`export_answers`) are not generated again."""
     meta = {"format": DATA_FORMAT, "target": target_identity(target_path), **asdict(cfg)}
     meta.pop("batch_size")  # neither changes the greedy answers' meaning
     meta.pop("batch_prompt_tokens")
@@ -295,9 +364,19 @@ def build_sequence_set(
             continue
         encoded.append((prompt.id, ids))
 
-    reused = reuse_answers(cache_dir, target_path.name, meta, encoded, done)
+    others = [f for f in sorted(cache_dir.glob(f"{target_path.name}-seqs-*.pt")) if f != cache_file]
+
+    def save() -> None:
+        keys = [k for k, _ in encoded if k in done]
+        atomic_save(
+            {"meta": meta, "keys": keys, "ids": [done[k][0] for k in keys], "prompt_lens": [done[k][1] for k in keys]},
+            cache_file,
+        )
+
+    reused = reuse_answers([*others, *exported], meta, encoded, done)
     if reused:
-        logger.info("reused %d answers from other cached sets of this target", reused)
+        logger.info("reused %d answers from other cached sets of this target or exported files", reused)
+        save()
     todo = sorted((item for item in encoded if item[0] not in done), key=lambda item: len(item[1]))
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(model, tokenizer)[0]
     eos_ids = eos_token_ids(model, tokenizer)
@@ -309,11 +388,7 @@ def build_sequence_set(
         answers = greedy_answers(model, [ids for _, ids in chunk], cfg.max_new_tokens, pad_id, eos_ids)
         for (key, ids), answer in zip(chunk, answers):
             done[key] = (torch.tensor(ids + answer, dtype=torch.long), len(ids))
-        keys = [k for k, _ in encoded if k in done]
-        atomic_save(
-            {"meta": meta, "keys": keys, "ids": [done[k][0] for k in keys], "prompt_lens": [done[k][1] for k in keys]},
-            cache_file,
-        )
+        save()
         bar.update(len(chunk))
     bar.close()
 

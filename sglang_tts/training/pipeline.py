@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from sglang_tts.assets import cache_root, resolve_model
+from sglang_tts.drafters.shipped import shipped_answers
 from sglang_tts.training.data import DataConfig, build_sequence_set, prompt_pool, write_prompt_split
 from sglang_tts.training.dflash import (
     DFlashObjective,
@@ -169,7 +170,9 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
 
     began = time.monotonic()
     model, tokenizer, target = load_target(target_path)
-    sequences = build_sequence_set(model, tokenizer, target_path, request.data, data_dir, request.progress)
+    sequences = build_sequence_set(
+        model, tokenizer, target_path, request.data, data_dir, request.progress, shipped_answers(target_path.name)
+    )
     timings["generation_s"] = time.monotonic() - began
     # Held-out sequences come from the first source only: extra prompts (--extra-source) always train.
     first = {p.id for p in prompt_pool(replace(request.data, extra_source=None, extra_prompts=0))}

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from dataclasses import replace
 
 import torch
+from safetensors.torch import save_file
 
 from sglang_tts.data.prompts import load_prompts
 from sglang_tts.testing.reference import hf_greedy
@@ -13,9 +15,11 @@ from sglang_tts.training import data as data_module
 from sglang_tts.training.data import (
     DataConfig,
     build_sequence_set,
+    export_answers,
     generation_batches,
     prompt_pool,
     prompt_token_ids,
+    read_answer_set,
     write_prompt_split,
 )
 
@@ -152,3 +156,38 @@ def test_extra_prompts_are_added_and_only_they_are_generated(
         tiny_target.model, tiny_target.tokenizer, tiny_target.path, replace(extended, max_new_tokens=5), cache, False
     )
     assert sum(calls) == 12
+
+
+def test_exported_answers_spare_a_fresh_cache_the_generation(
+    sequences, tiny_target, data_config, data_cache, tmp_path, call_sizes
+):
+    exported = tmp_path / "answers.safetensors"
+    stats = export_answers(next(data_cache.glob("*-seqs-*.pt")), exported)
+    assert stats == {"sequences": len(sequences), "answer_tokens": sequences.num_answer_tokens()}
+    calls = call_sizes(data_module, "greedy_answers")
+    # A fresh machine: an empty cache, the exported file (the answers only: the prompts are rendered again).
+    fresh = build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, data_config, tmp_path / "fresh", False, [exported]
+    )
+    assert calls == []
+    assert fresh.keys == sequences.keys and fresh.prompt_lens == sequences.prompt_lens
+    assert [t.tolist() for t in fresh.ids] == [t.tolist() for t in sequences.ids]
+    assert len(list((tmp_path / "fresh").glob("*-seqs-*.pt"))) == 1  # and cached like generated answers
+
+    # Answers made with other settings, or to a prompt that renders differently now, are generated again.
+    other = replace(data_config, max_new_tokens=5)
+    build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, other, tmp_path / "a", False, [exported]
+    )
+    assert sum(calls) == len(sequences)
+    calls.clear()
+    saved = read_answer_set(exported)
+    digests = ["0" * 16, *saved.prompt_digests[1:]]
+    tensors = {"answers": torch.cat(saved.answers).int(), "answer_lens": torch.tensor([len(a) for a in saved.answers])}
+    tensors["prompt_lens"] = torch.tensor(saved.prompt_lens)
+    header = {"shaping": saved.shaping, "keys": json.dumps(saved.keys), "prompt_digests": json.dumps(digests)}
+    save_file(tensors, str(exported), metadata=header)
+    build_sequence_set(
+        tiny_target.model, tiny_target.tokenizer, tiny_target.path, data_config, tmp_path / "b", False, [exported]
+    )
+    assert sum(calls) == 1
