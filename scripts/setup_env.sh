@@ -23,6 +23,19 @@ STAMP="$VENV/.sglang_tts_setup"
 
 say() { printf '[setup] %s\n' "$*"; }
 
+# SGLang's NGRAM speculation drafts from a C++ corpus that SGLang compiles on first use (cached under
+# ~/.cache/sglang/jit). Compiled at a server's launch, the compiler's memory is counted against the KV
+# cache (SGLang measures free memory before and after loading), which failed NGRAM launches on fresh
+# machines: build it here, once.
+build_ngram_corpus() {
+  local out
+  if out=$("$VPY" -W ignore -c "from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls as g; g()" 2>&1); then
+    say "SGLang's NGRAM corpus is built (~/.cache/sglang/jit)"
+  else
+    say "WARNING: could not build SGLang's NGRAM corpus (NGRAM servers will try at launch): ${out##*$'\n'}"
+  fi
+}
+
 fingerprint() {
   cat requirements/sglang-cpu.txt requirements/constraints-cpu.txt requirements/dev.txt setup.py \
       patches/torchvision_cpu_guard.py | sha256sum | cut -d' ' -f1
@@ -37,6 +50,7 @@ fi
 want="$(fingerprint)"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$want" ]] && "$VPY" -c "import importlib.util as u, sys; sys.exit(0 if u.find_spec(\"sglang\") and u.find_spec(\"sglang_tts\") else 1)" 2>/dev/null; then
   say ".venv is up to date (sglang $SGLANG_VERSION, torch $TORCH_VERSION CPU, sglang-tts editable)"
+  build_ngram_corpus
   exit 0
 fi
 
@@ -76,5 +90,6 @@ eps = [e.value for e in md.entry_points(group="sglang.srt.plugins") if e.name ==
 assert eps, "sglang_tts plugin entry point missing"
 print(f"[setup] ok: sglang {sglang.__version__}, torch {torch.__version__}, plugin {eps[0]}")
 PYEOF
+build_ngram_corpus
 echo "$want" > "$STAMP"
 say "done. Activate with: source .venv/bin/activate"

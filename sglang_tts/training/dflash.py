@@ -15,7 +15,9 @@
   head; hard cross-entropy against that token (the target's own greedy token, so this is the
   target's top-1 on answer positions), weighted w_k = exp(-(k - 1) / gamma) and averaged with those
   weights over labelled slots (slots beyond the answer are dropped). gamma defaults to the DFlash
-  setting for the block size: 7 for 16, 5 for 10, 4 for 8 (else 7 * block_size / 16).
+  setting for the block size: 7 for 16, 5 for 10, 4 for 8 (else 7 * block_size / 16). The LM head
+  and the cross-entropy run fused (``linear_ce.LinearCrossEntropy``: one logits buffer kept across
+  steps, no [N, V] tensor allocated per step).
 - Mask token: an unused special token of the tokenizer (highest id among special tokens that never
   occur in the training set and are not bos/eos/pad/unk), else the highest id never seen; written
   to ``dflash_config.mask_token_id``. Its embedding is the target's row (no mask_embedding.pt).
@@ -29,11 +31,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 
 from sglang_tts.drafters.checkpoints import default_dflash_target_layer_ids, dflash_config
 from sglang_tts.drafters.dflash import DFlashConfig, DFlashDrafter, build_target_layer_ids
 from sglang_tts.training.data import SequenceSet
+from sglang_tts.training.linear_ce import LinearCrossEntropy
 from sglang_tts.training.target import Batch, TargetFeatures, TargetWeights, batch_indices, collate
 from sglang_tts.training.weights import init_weights_
 
@@ -136,7 +138,7 @@ def sample_anchors(batch: Batch, num_anchors: int, gen: torch.Generator) -> tupl
 
 @dataclass
 class BlockOutput:
-    logits: torch.Tensor  # [N, V] for the labelled slots
+    hidden: torch.Tensor  # [N, D] for the labelled slots, before the LM head
     labels: torch.Tensor  # [N]
     slot: torch.Tensor  # [N] slot index k - 1 (0 .. block_size - 2)
     labelled: torch.Tensor  # [B, A, S - 1] bool
@@ -156,9 +158,8 @@ def block_forward(
     clamped = label_pos.clamp(max=length - 1).flatten(1)
     labels = batch.ids.gather(1, clamped).view_as(label_pos)
     labelled = keep[..., None] & (label_pos < length) & batch.answer.gather(1, clamped).view_as(label_pos)
-    logits = hidden[:, :, 1:][labelled] @ drafter.lm_head_weight().T
     slot = torch.arange(s - 1).expand_as(label_pos)[labelled]
-    return BlockOutput(logits, labels[labelled], slot, labelled)
+    return BlockOutput(hidden[:, :, 1:][labelled], labels[labelled], slot, labelled)
 
 
 class DFlashObjective:
@@ -175,17 +176,21 @@ class DFlashObjective:
         self.drafter, self.cfg, self.sequences, self.features, self.seed = drafter, cfg, sequences, features, seed
         self.feature_index = features.layers(drafter.cfg.target_layer_ids)
         self.slot_weights = torch.exp(-torch.arange(cfg.block_size - 1, dtype=torch.float32) / cfg.gamma())
+        self.head_loss = LinearCrossEntropy()  # the [N, V] logits live in one buffer kept across steps
+
+    def weighted_ce(self, out: BlockOutput) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(slot-weighted mean cross-entropy, per-slot cross-entropy [N], greedy picks [N]) of a block pass."""
+        weights = self.slot_weights[out.slot]
+        return self.head_loss(out.hidden, self.drafter.lm_head_weight(), out.labels, weights)
 
     def loss(self, batch: Batch, gen: torch.Generator) -> tuple[torch.Tensor, dict[str, float]]:
         anchors, keep = sample_anchors(batch, self.cfg.num_anchors, gen)
         out = block_forward(self.drafter, batch, self.feature_index, anchors, keep)
         if out.labels.numel() == 0:
             return self.drafter.fc.weight.sum() * 0.0, {}
-        ce = F.cross_entropy(out.logits, out.labels, reduction="none")
-        weights = self.slot_weights[out.slot]
-        loss = (weights * ce).sum() / weights.sum()
-        hits = (out.logits.argmax(-1) == out.labels).float()
-        metrics = {"ce": float(ce.detach().mean())}
+        loss, ce, picks = self.weighted_ce(out)
+        hits = (picks == out.labels).float()
+        metrics = {"ce": float(ce.mean())}
         for k in range(self.cfg.block_size - 1):
             in_slot = out.slot == k
             if in_slot.any():
@@ -221,8 +226,8 @@ def evaluate_dflash(
             out = block_forward(
                 drafter, batch, objective.feature_index, anchors, torch.ones_like(anchors, dtype=torch.bool)
             )
-            hits = out.logits.argmax(-1) == out.labels
-            ce = F.cross_entropy(out.logits, out.labels, reduction="none")
+            _, ce, picks = objective.weighted_ce(out)
+            hits = picks == out.labels
             weights = objective.slot_weights[out.slot]
             loss_sum += float((weights * ce).sum())
             weight_sum += float(weights.sum())

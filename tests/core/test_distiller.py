@@ -106,9 +106,16 @@ def test_adam_is_fused_on_cpu_and_steps_like_the_per_tensor_loop(generator, opti
             assert distiller.observe(canvas)
             with torch.inference_mode():
                 distiller.barrier()
-        results.append([p.detach().clone() for p in drafter.parameters()])
-    for fused_p, loop_p in zip(*results):
-        torch.testing.assert_close(fused_p, loop_p, rtol=1e-5, atol=1e-6)
+        results.append(dict(drafter.named_parameters()))
+    # The key bias gets no gradient (softmax ignores a shift common to all scores): only rounding noise, which
+    # Adam's normalisation turns into steps of up to lr whose sign depends on the summation order of each
+    # machine's kernels. It is excluded; every other weight must agree to rounding.
+    hidden = results[0]["qkv.bias"].numel() // 3
+    results[0]["qkv.bias"], results[1]["qkv.bias"] = (
+        r["qkv.bias"][[*range(hidden), *range(2 * hidden, 3 * hidden)]] for r in results
+    )
+    for name, fused_p in results[0].items():
+        torch.testing.assert_close(fused_p, results[1][name], rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_updates_raise_agreement_with_a_fixed_teacher(generator):

@@ -10,7 +10,8 @@ from safetensors import safe_open
 
 from sglang_tts.assets import DEFAULT_MODEL
 from sglang_tts.drafters.loading import kind_from_config, load_checkpoint_tensors, load_drafter
-from sglang_tts.drafters.shipped import shipped_drafter, write_compact
+from sglang_tts.drafters.shipped import ANSWERS, SHIPPED_ROOT, shipped_drafter, write_compact
+from sglang_tts.training.data import read_answer_set
 
 
 def test_compact_copy_halves_floats_keeps_integers_and_loads_back_in_fp32(tmp_path, tiny_eagle3, tiny_llama):
@@ -58,3 +59,24 @@ def test_the_default_models_eagle3_drafter_ships_in_fp16_with_its_training_recor
     record = json.loads((folder / "training.json").read_text())
     assert record["train_command"].startswith("scripts/train_drafter.py --kind eagle3")
     assert record["summary"]["eval_after"]["accept_len"] > record["summary"]["eval_before"]["accept_len"]
+
+
+@pytest.mark.parametrize("folder", sorted(p for p in SHIPPED_ROOT.iterdir() if p.is_dir()), ids=lambda p: p.name)
+def test_every_shipped_drafter_is_fp16_trained_and_its_answers_match_its_record(folder):
+    config = json.loads((folder / "config.json").read_text())
+    assert folder.name.endswith("-" + kind_from_config(config))
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        assert "F32" not in {f.get_slice(k).get_dtype() for k in f.keys()}
+    record = json.loads((folder / "training.json").read_text())
+    assert record["train_command"].startswith("scripts/train_drafter.py")
+    summary = record["summary"]
+    assert summary["eval_after"]["accept_len"] > (summary["eval_before"] or {"accept_len": 0.0})["accept_len"]
+    assert "/" not in summary.get("target", "")  # no path of the training machine
+    if "answers" not in record:
+        assert not (folder / ANSWERS).exists()
+        return
+    answers = read_answer_set(folder / record["answers"]["file"])
+    data = summary["data"]
+    assert len(answers.keys) == record["answers"]["sequences"] == data["train_sequences"] + data["held_out"]
+    assert sum(len(a) for a in answers.answers) == record["answers"]["answer_tokens"]
+    assert all(1 <= len(a) <= data["max_new_tokens"] for a in answers.answers)
