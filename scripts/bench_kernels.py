@@ -20,18 +20,18 @@ Example (small CPU run)::
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 from tqdm import tqdm
 
+from sglang_tts.bench.report import write_rows_report
 from sglang_tts.kernels import chunked_linear_kl, naive_linear_kl, triton_available
 from sglang_tts.kernels.memory import measure_peak_memory
 
@@ -195,14 +195,7 @@ def main(argv: Sequence[str] | None = None) -> list[BenchRow]:
         "reg_lambda": args.reg_lambda,
         "repeats": args.repeats,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_kernels.json").write_text(
-        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
-    )
-    table = to_markdown(rows, meta)
-    (args.out / "bench_kernels.md").write_text(table)
-    plot(rows, args.out / "bench_kernels.png")
-    print(table)
+    write_rows_report(args.out, "bench_kernels", meta, rows, to_markdown(rows, meta), lambda path: plot(rows, path))
     return rows
 
 

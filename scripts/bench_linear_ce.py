@@ -16,18 +16,17 @@ Writes ``bench_linear_ce.json``, ``.md`` and ``.png`` under ``--out``; prints th
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import resource
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from sglang_tts.bench.report import machine_info, table, write_rows_report
 from sglang_tts.training.linear_ce import LinearCrossEntropy, linear_cross_entropy_reference
 
 
@@ -71,19 +70,16 @@ def bench(fn: Callable, n: int, d: int, v: int, repeats: int, seed: int = 0) -> 
 
 
 def to_markdown(rows: Sequence[Row], meta: dict[str, object]) -> str:
-    lines = [
-        f"CPU {meta['cpu']}, {meta['threads']} threads, torch {meta['torch']}, fp32, "
-        f"median of {meta['repeats']} calls.",
-        "",
-        "| backend | N | D | V | fwd+bwd ms | user ms | kernel ms | minor faults |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    header = ["backend", "N", "D", "V", "fwd+bwd ms", "user ms", "kernel ms", "minor faults"]
+    cells = [
+        [r.backend, str(r.rows), str(r.hidden), str(r.vocab)]
+        + [f"{x:.0f}" for x in (r.wall_ms, r.user_ms, r.sys_ms, r.minor_faults)]
+        for r in rows
     ]
-    for r in rows:
-        lines.append(
-            f"| {r.backend} | {r.rows} | {r.hidden} | {r.vocab} | {r.wall_ms:.0f} | {r.user_ms:.0f} | "
-            f"{r.sys_ms:.0f} | {r.minor_faults:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+    return (
+        f"CPU {meta['processor']}, {meta['torch_threads']} threads, torch {meta['torch']}, fp32, "
+        f"median of {meta['repeats']} calls.\n\n{table(header, cells)}\n"
+    )
 
 
 def plot(rows: Sequence[Row], path: Path) -> None:
@@ -122,20 +118,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         for name, fn in fns.items():
             wall, user, sys_ms, faults = bench(fn, n, args.hidden, args.vocab, args.repeats)
             rows.append(Row(name, n, args.hidden, args.vocab, round(wall, 1), round(user, 1), round(sys_ms, 1), faults))
-    meta: dict[str, object] = {
-        "cpu": platform.processor() or platform.machine(),
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "repeats": args.repeats,
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_linear_ce.json").write_text(
-        json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=2)
-    )
-    table = to_markdown(rows, meta)
-    (args.out / "bench_linear_ce.md").write_text(table)
-    plot(rows, args.out / "bench_linear_ce.png")
-    print(table)
+    meta: dict[str, object] = {**machine_info(), "repeats": args.repeats}
+    write_rows_report(args.out, "bench_linear_ce", meta, rows, to_markdown(rows, meta), lambda path: plot(rows, path))
     return rows
 
 

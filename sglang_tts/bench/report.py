@@ -12,7 +12,8 @@ import math
 import os
 import platform
 import subprocess
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,17 @@ def write_json(path: Path, payload: dict[str, Any]) -> Path:
     tmp.write_text(json.dumps(_clean(payload), indent=1) + "\n")
     os.replace(tmp, path)
     return path
+
+
+def write_rows_report(
+    out_dir: Path, stem: str, meta: dict[str, Any], rows: Sequence[Any], markdown: str, plot: Callable[[Path], None]
+) -> None:
+    """A micro-benchmark's report (scripts/bench_kernels.py, bench_linear_ce.py): ``<stem>.json`` (``meta`` and
+    the dataclass ``rows``), ``<stem>.md`` (``markdown``) and ``<stem>.png`` (drawn by ``plot``); prints the table."""
+    write_json(out_dir / f"{stem}.json", {"meta": meta, "rows": [asdict(r) for r in rows]})
+    (out_dir / f"{stem}.md").write_text(markdown)
+    plot(out_dir / f"{stem}.png")
+    print(markdown)
 
 
 # ----------------------------------------------------------------------------------------------------------
