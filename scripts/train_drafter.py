@@ -11,6 +11,7 @@ Examples::
     python scripts/train_drafter.py --tiny                      # smoke run, a couple of minutes
     python scripts/train_drafter.py --kind eagle3 --time-budget 900
     python scripts/train_drafter.py --kind eagle3 --resume      # continue an interrupted run
+    python scripts/train_drafter.py --kind eagle3 --init-from shipped  # a fresh machine: go on from the shipped one
 
 The last lines on stdout are the checkpoint folders, one per kind; progress goes to stderr.
 """
@@ -91,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--batch-size", type=int, default=None, help="sequences per step, both kinds (default 4)")
     train.add_argument("--seed", type=int, default=None, help="seed of prompts, split, init and batches (default 0)")
     train.add_argument("--resume", action="store_true", help="continue from <out>/train/state.pt if present")
+    train.add_argument(
+        "--init-from",
+        default=None,
+        help="start from this trained drafter folder instead of random weights (its draft vocabulary, MASK id and "
+        "layers too; a fresh optimizer and schedule); 'shipped': the drafter that ships for the target",
+    )
     train.add_argument("--save-every", type=int, default=None, help="steps between checkpoints (default 200)")
     train.add_argument("--time-budget", type=float, default=None, help="seconds of training per kind, then save+stop")
     train.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
@@ -142,7 +149,7 @@ def request_from_args(args: argparse.Namespace) -> TrainRequest:
         time_budget_s=args.time_budget,
         cache_dir=args.cache_dir,
     )
-    request = replace(request, resume=args.resume, progress=not args.quiet)
+    request = replace(request, resume=args.resume, init_from=args.init_from, progress=not args.quiet)
     request.data = _set(
         request.data,
         source=WORKLOADS_TRAINING_SOURCE if args.workloads else args.source,

@@ -22,7 +22,9 @@ from typing import Any
 import torch
 
 from sglang_tts.assets import cache_root, resolve_model
-from sglang_tts.drafters.shipped import shipped_answers
+from sglang_tts.drafters.eagle3 import Eagle3Config
+from sglang_tts.drafters.loading import kind_from_config, load_checkpoint_tensors, read_config
+from sglang_tts.drafters.shipped import shipped_answers, shipped_drafter
 from sglang_tts.training.data import DataConfig, build_sequence_set, prompt_pool, write_prompt_split
 from sglang_tts.training.dflash import (
     DFlashObjective,
@@ -73,6 +75,7 @@ class TrainRequest:
     dflash: DFlashTrainConfig = field(default_factory=DFlashTrainConfig)
     seed: int = 0
     resume: bool = False
+    init_from: Path | str | None = None  # a trained drafter folder, or "shipped", to start from instead of random
     save_every: int = 200
     log_every: int = 10
     time_budget_s: float | None = None  # per kind
@@ -141,21 +144,53 @@ def saved_draft_vocab(state_dir: Path, resume: bool) -> torch.Tensor | None:
     return d2t + torch.arange(d2t.numel())
 
 
-def saved_dflash_choices(out: Path, cfg: DFlashTrainConfig, resume: bool) -> DFlashTrainConfig:
-    """On ``--resume``, ``cfg`` with the MASK id and target layers the saved DFlash drafter was trained with:
-    its weights only mean something for those, and a grown data set could pick another MASK id. A value given
-    explicitly must agree with the saved one."""
-    config_file = out / "config.json"
-    if not resume or not (out / TRAIN_SUBDIR / STATE_FILE).is_file() or not config_file.is_file():
-        return cfg
-    saved = json.loads(config_file.read_text())["dflash_config"]
+def dflash_choices_of(folder: Path, cfg: DFlashTrainConfig, flag: str) -> DFlashTrainConfig:
+    """``cfg`` with the MASK id and target layers the DFlash drafter in ``folder`` was trained with: its weights
+    only mean something for those. A value given explicitly must agree (``flag`` names the option in the error)."""
+    saved = json.loads((folder / "config.json").read_text())["dflash_config"]
     choices = {"mask_token_id": int(saved["mask_token_id"]), "target_layer_ids": list(saved["target_layer_ids"])}
     for name, value in choices.items():
         given = getattr(cfg, name)
         given = list(given) if isinstance(given, (list, tuple)) else given
         if given is not None and given != value:
-            raise ValueError(f"--resume: the DFlash drafter in {out} was trained with {name} {value}, not {given}")
+            raise ValueError(f"{flag}: the DFlash drafter in {folder} was trained with {name} {value}, not {given}")
     return replace(cfg, **choices)
+
+
+def saved_dflash_choices(out: Path, cfg: DFlashTrainConfig, resume: bool) -> DFlashTrainConfig:
+    """On ``--resume``, the saved DFlash drafter's choices (`dflash_choices_of`): a grown data set could pick
+    another MASK id."""
+    if not resume or not (out / TRAIN_SUBDIR / STATE_FILE).is_file() or not (out / "config.json").is_file():
+        return cfg
+    return dflash_choices_of(out, cfg, "--resume")
+
+
+def eagle3_choices_of(folder: Path, cfg: Eagle3TrainConfig) -> Eagle3TrainConfig:
+    """``cfg`` with the target layers the EAGLE-3 drafter in ``folder`` reads (explicit ones must agree)."""
+    saved = Eagle3Config.from_dict(read_config(folder)).aux_layer_ids
+    given = list(cfg.aux_layer_ids) if cfg.aux_layer_ids is not None else None
+    if saved is None:
+        return cfg
+    if given is not None and given != saved:
+        raise ValueError(f"--init-from: the EAGLE-3 drafter in {folder} reads layers {saved}, not {given}")
+    return replace(cfg, aux_layer_ids=saved)
+
+
+def init_source(request: TrainRequest, target_name: str) -> tuple[Path, str] | None:
+    """The ``--init-from`` drafter folder and its kind (None without one). ``shipped`` names the drafter that ships
+    for the target (sglang_tts/drafters/shipped). It must hold the one kind being trained."""
+    if request.init_from is None:
+        return None
+    folder = Path(request.init_from)
+    if str(request.init_from) == "shipped":
+        found = shipped_drafter(target_name, request.kinds[0]) if len(request.kinds) == 1 else None
+        if found is None:
+            raise ValueError(f"--init-from shipped: no {'/'.join(request.kinds)} drafter ships for {target_name}")
+        folder = found
+    kind = kind_from_config(read_config(folder))
+    if tuple(request.kinds) != (kind,):
+        raise ValueError(f"--init-from {folder} holds a {kind} drafter: train --kind {kind} alone")
+    return folder, kind
 
 
 def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
@@ -165,6 +200,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
         raise ValueError(f"kinds must be among {KINDS}, got {request.kinds}")
     torch.manual_seed(request.seed)
     target_path = resolve_model(request.target, progress=request.progress)
+    source = init_source(request, target_path.name)  # checked before hours of data generation
     data_dir = Path(request.cache_dir) if request.cache_dir is not None else cache_root() / "drafters" / "data"
     timings: dict[str, float] = {}
 
@@ -188,20 +224,40 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
         len(held_set),
     )
 
+    # --init-from: the kind's choices (draft vocabulary, MASK id, layers) and weights come from that drafter,
+    # unless a saved state is resumed (it already descends from it).
+    resuming = {
+        kind: request.resume
+        and training_state_step(output_dir(request, target_path.name, kind) / TRAIN_SUBDIR) is not None
+        for kind in request.kinds
+    }
+    init_folder, init = source if source is not None and not resuming[source[1]] else (None, None)
     drafters: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
     if "eagle3" in request.kinds:
         used = saved_draft_vocab(output_dir(request, target_path.name, "eagle3") / TRAIN_SUBDIR, request.resume)
+        if used is None and init == "eagle3":
+            d2t = load_checkpoint_tensors(init_folder)["d2t"]
+            used = d2t + torch.arange(d2t.numel())
         if used is None:
             used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
-        drafters["eagle3"] = build_eagle3(target, request.eagle3, used, request.seed)
+        eagle3_cfg = request.eagle3
+        if init == "eagle3":
+            eagle3_cfg = eagle3_choices_of(init_folder, eagle3_cfg)
+        drafters["eagle3"] = build_eagle3(target, eagle3_cfg, used, request.seed)
     if "dflash" in request.kinds:
         dflash_cfg = saved_dflash_choices(
             output_dir(request, target_path.name, "dflash"), request.dflash, request.resume
         )
+        if init == "dflash":
+            dflash_cfg = dflash_choices_of(init_folder, dflash_cfg, "--init-from")
         mask_id = dflash_cfg.mask_token_id
         if mask_id is None:
             mask_id = pick_mask_token_id(tokenizer, sequences, target.vocab_size)
         drafters["dflash"] = build_dflash(target, dflash_cfg, mask_id, request.seed)
+    if init is not None:
+        drafter = drafters[init][0]
+        ignored = drafter.load_checkpoint_weights(load_checkpoint_tensors(init_folder))  # copied in as fp32
+        logger.info("%s drafter initialised from %s (ignored: %s)", init, init_folder, ignored or "none")
     layer_ids = sorted(
         {
             i
@@ -233,8 +289,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
             objective = DFlashObjective(drafter, cfg, train_set, train_feats, request.seed)
             evaluate = lambda obj=objective: evaluate_dflash(obj, held_set, held_feats)
         steps = num_steps(request, len(train_set), cfg.batch_size)
-        resuming = request.resume and training_state_step(state_dir) is not None
-        eval_before = evaluate() if held_set.ids and not resuming else None
+        eval_before = evaluate() if held_set.ids and not resuming[kind] else None
 
         began = time.monotonic()
         loop = LoopConfig(
@@ -265,6 +320,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
             "target": str(target_path),
             "checkpoint": str(out),
             "steps": {"planned": steps, "done": result.step, "resumed_from": result.start_step},
+            "init_from": init_folder.name if kind == init else None,
             "eval_before": eval_before,
             "eval_after": eval_after,
             "last_train_record": result.history[-1] if result.history else None,

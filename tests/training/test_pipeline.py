@@ -14,6 +14,7 @@ import torch
 
 from sglang_tts.drafters import DFlashDrafter, Eagle3Drafter, load_drafter
 from sglang_tts.drafters.loading import load_checkpoint_tensors
+from sglang_tts.drafters.shipped import write_compact
 from sglang_tts.training import TrainRequest, tiny_request, train_drafters
 from sglang_tts.training.pipeline import default_out, output_dir
 from sglang_tts.training.target import collate
@@ -184,3 +185,34 @@ def test_resumed_dflash_keeps_its_mask_token_and_target_layers(request_for, tmp_
     assert saved["target_layer_ids"] != [0]
     with pytest.raises(ValueError, match=r"trained with target_layer_ids .* not \[0\]"):
         train_drafters(request_for(tmp_path, kinds=("dflash",), resume=True, dflash=other))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_init_from_a_shipped_copy_starts_where_the_trained_drafter_ended(kind, request_for, tiny_run, tmp_path):
+    _, straight = tiny_run
+    trained = straight[kind]
+    compact = write_compact(trained.path, tmp_path / "shipped")  # as ship_drafter.py stores it: fp16
+    result = train_drafters(request_for(tmp_path / "again", kinds=(kind,), init_from=compact, stop_after=1))[kind]
+    # Measured before its first step, its held-out loss is the trained drafter's (to fp16 rounding), well below a
+    # random start's; the choices its weights mean something for came with it.
+    assert result.eval_before["loss"] == pytest.approx(trained.eval_after["loss"], rel=1e-3)
+    assert trained.eval_after["loss"] < 0.95 * trained.eval_before["loss"]
+    saved, got = load_checkpoint_tensors(trained.path), load_checkpoint_tensors(result.path)
+    if kind == "eagle3":
+        assert torch.equal(got["d2t"], saved["d2t"])
+    else:
+        config = json.loads((result.path / "config.json").read_text())["dflash_config"]
+        assert config == json.loads((trained.path / "config.json").read_text())["dflash_config"]
+    summary = json.loads((result.path / "train" / "summary.json").read_text())
+    assert summary["init_from"] == "shipped"
+
+
+def test_init_from_is_refused_for_another_kind_or_a_target_nothing_ships_for(request_for, tiny_run, tmp_path):
+    _, straight = tiny_run
+    with pytest.raises(ValueError, match="holds a eagle3 drafter: train --kind eagle3 alone"):
+        train_drafters(request_for(tmp_path, kinds=("dflash",), init_from=straight["eagle3"].path))
+    with pytest.raises(ValueError, match="--init-from shipped: no eagle3 drafter ships for"):
+        train_drafters(request_for(tmp_path, kinds=("eagle3",), init_from="shipped"))
+    other = replace(tiny_request().dflash, target_layer_ids=[0])
+    with pytest.raises(ValueError, match=r"--init-from: the DFlash drafter .* not \[0\]"):
+        train_drafters(request_for(tmp_path, kinds=("dflash",), init_from=straight["dflash"].path, dflash=other))
