@@ -140,7 +140,11 @@ def saved_draft_vocab(state_dir: Path, resume: bool) -> torch.Tensor | None:
     state_file = state_dir / STATE_FILE
     if not resume or not state_file.is_file():
         return None
-    d2t = load_training_state(state_file)["model"]["d2t"]
+    return draft_vocab_of(load_training_state(state_file)["model"]["d2t"])
+
+
+def draft_vocab_of(d2t: torch.Tensor) -> torch.Tensor:
+    """The target ids of an EAGLE-3 draft vocabulary from its ``d2t`` offsets (draft id i -> i + d2t[i])."""
     return d2t + torch.arange(d2t.numel())
 
 
@@ -232,12 +236,12 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
         for kind in request.kinds
     }
     init_folder, init = source if source is not None and not resuming[source[1]] else (None, None)
+    init_tensors = load_checkpoint_tensors(init_folder) if init is not None else {}
     drafters: dict[str, tuple[torch.nn.Module, dict[str, Any]]] = {}
     if "eagle3" in request.kinds:
         used = saved_draft_vocab(output_dir(request, target_path.name, "eagle3") / TRAIN_SUBDIR, request.resume)
         if used is None and init == "eagle3":
-            d2t = load_checkpoint_tensors(init_folder)["d2t"]
-            used = d2t + torch.arange(d2t.numel())
+            used = draft_vocab_of(init_tensors["d2t"])
         if used is None:
             used = frequency_draft_vocab(train_set, target.vocab_size, request.eagle3.draft_vocab_size)
         eagle3_cfg = request.eagle3
@@ -256,7 +260,7 @@ def train_drafters(request: TrainRequest) -> dict[str, KindResult]:
         drafters["dflash"] = build_dflash(target, dflash_cfg, mask_id, request.seed)
     if init is not None:
         drafter = drafters[init][0]
-        ignored = drafter.load_checkpoint_weights(load_checkpoint_tensors(init_folder))  # copied in as fp32
+        ignored = drafter.load_checkpoint_weights(init_tensors)  # copied in as fp32
         logger.info("%s drafter initialised from %s (ignored: %s)", init, init_folder, ignored or "none")
     layer_ids = sorted(
         {
