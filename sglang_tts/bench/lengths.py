@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from sglang_tts.bench.metrics import long_and_clean, loops
 from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import RequestRecord
 
@@ -48,10 +49,6 @@ def nearest_rank(sorted_values: Sequence[int], q: float) -> int:
     return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
-def loops(record: RequestRecord) -> bool:
-    return any(share is not None and share < REPETITIVE_BELOW for share in record.distinct_ngrams or [])
-
-
 def pick_config(records: Sequence[RequestRecord], config: str | None) -> str:
     """``config`` if given (it must have records), else ``no-spec`` if present, else the first one recorded."""
     names = list(dict.fromkeys(r.config for r in records))
@@ -67,14 +64,19 @@ def pick_config(records: Sequence[RequestRecord], config: str | None) -> str:
 def length_stats(
     records: Sequence[RequestRecord], config: str | None = None, threshold: int = LONG_TOKENS
 ) -> list[LengthStats]:
-    """Per (workload, sampling mode): lengths of one configuration's sequential requests (:func:`pick_config`)."""
+    """Per (workload, sampling mode): lengths of one configuration's requests (:func:`pick_config`).
+
+    A batched mode (``greedy-c8``) is a mode of its own; each prompt counts once per mode (a wave cycles
+    the prompt list to fill itself, so a prompt can appear twice in one mode).
+    """
     name = pick_config(records, config)
-    groups: dict[tuple[str, str], list[RequestRecord]] = {}
+    groups: dict[tuple[str, str], dict[str, RequestRecord]] = {}
     for record in records:
-        if record.config == name and record.concurrency == 1:
-            groups.setdefault((record.dataset, record.sampling), []).append(record)
+        if record.config == name:
+            groups.setdefault((record.dataset, record.sampling), {}).setdefault(record.prompt_id, record)
     out = []
-    for (dataset, sampling), group in sorted(groups.items()):
+    for (dataset, sampling), by_prompt in sorted(groups.items()):
+        group = list(by_prompt.values())
         natural = sorted(r.completion_tokens for r in group if r.finish_reason == "stop")
         out.append(
             LengthStats(
@@ -84,7 +86,7 @@ def length_stats(
                 natural=len(natural),
                 truncated=sum(r.finish_reason == "length" for r in group),
                 looping=sum(loops(r) for r in group),
-                long_clean=sum(r.completion_tokens >= threshold and not loops(r) for r in group),
+                long_clean=sum(long_and_clean(r, threshold) for r in group),
                 threshold=threshold,
                 quantiles={label: nearest_rank(natural, q) for label, q in QUANTILES} if natural else {},
             )
@@ -104,7 +106,7 @@ def stats_from_results(
 def render_lengths(stats: Sequence[LengthStats], source: str) -> str:
     """A markdown table of :func:`length_stats` (tokens of the natural ends; counts of the others)."""
     if not stats:
-        return f"No sequential requests in {source}.\n"
+        return f"No requests in {source}.\n"
     threshold = stats[0].threshold
     header = ["workload", "mode", "requests", "natural ends", "cut at max", "loop"]
     header += [label for label, _ in QUANTILES] + [f">= {threshold} & no loop"]

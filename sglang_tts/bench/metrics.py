@@ -18,6 +18,9 @@ temperature: :func:`aggregate_by_sampling`), never pooled across modes.
 * acceptance on new text: pooled over the rounds that start in a quarter of their output whose
   distinct word 4-gram share is at least ``REPETITIVE_BELOW`` (see ``sglang_tts.bench.repetition``):
   a loop is easy to draft once seen, so this separates adapting to the request from learning a loop.
+* long outputs that never loop (the headline set): pooled over the requests with at least
+  ``LONG_OUTPUT_TOKENS`` completion tokens and every quarter at or above ``REPETITIVE_BELOW``; whole
+  requests, so a configuration's number covers the same text as another's under greedy decoding.
 * update cost: ``tts_update_ms`` (time inside updates, overlapped with serving unless ``--tts-sync``);
   per update and as a fraction of wall time.
 * updates-free bound (sync configurations only): completion tokens / (wall - update time). With
@@ -39,6 +42,7 @@ from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import RequestRecord, parse_mode
 
 ALL = "all"  # the dataset label of the pooled-over-datasets rows
+LONG_OUTPUT_TOKENS = 1024  # "long" in the headline set: outputs this long that never loop
 GREEDY = "greedy"
 
 
@@ -70,6 +74,16 @@ def rounds_in_new_text(record: RequestRecord) -> list[int]:
         if share is not None and share >= REPETITIVE_BELOW:
             out.append(n)
     return out
+
+
+def loops(record: RequestRecord) -> bool:
+    """Some quarter of the output is under REPETITIVE_BELOW distinct word 4-grams."""
+    return any(share is not None and share < REPETITIVE_BELOW for share in record.distinct_ngrams or [])
+
+
+def long_and_clean(record: RequestRecord, min_tokens: int = LONG_OUTPUT_TOKENS) -> bool:
+    """At least ``min_tokens`` completion tokens, text scores present, and no quarter that loops."""
+    return record.completion_tokens >= min_tokens and bool(record.distinct_ngrams) and not loops(record)
 
 
 def _mean(values: Sequence[float]) -> float | None:
@@ -144,6 +158,8 @@ class Summary:
     update_wall_fraction: float | None = None
     updates_free_tokens_per_s: float | None = None
     accept_new_text: float | None = None  # rounds in quarters that do not loop (rounds_in_new_text)
+    long_clean_requests: int = 0  # requests of >= LONG_OUTPUT_TOKENS tokens that never loop (long_and_clean)
+    accept_long_clean: float | None = None  # pooled over those requests
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -161,6 +177,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
     updates = _sum_opt(r.tts_num_updates for r in records)
     skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
     update_ms = _sum_opt(r.tts_update_ms for r in records)
+    clean = [r for r in records if long_and_clean(r)]
     free = None
     if config.sync and update_ms is not None and wall - update_ms / 1000 > 0:
         free = tokens / (wall - update_ms / 1000)
@@ -187,6 +204,8 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         update_wall_fraction=update_ms / 1000 / wall if update_ms is not None and wall > 0 else None,
         updates_free_tokens_per_s=free,
         accept_new_text=_mean([n for r in records for n in rounds_in_new_text(r)]),
+        long_clean_requests=len(clean),
+        accept_long_clean=pooled_accept(clean),
     )
 
 
@@ -218,6 +237,7 @@ class Comparison:
     last_quarter_gain_pct: float | None
     tokens_per_s_ratio: float | None  # tts / frozen
     new_text_gain_pct: float | None = None  # acceptance gain over the quarters that do not loop
+    long_clean_gain_pct: float | None = None  # acceptance gain over the long outputs that never loop
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -233,6 +253,7 @@ def compare(tts: Summary, frozen: Summary) -> Comparison:
         last_quarter_gain_pct=_pct(tts.accept_last_quarter, frozen.accept_last_quarter),
         tokens_per_s_ratio=_ratio(tts.tokens_per_s, frozen.tokens_per_s),
         new_text_gain_pct=_pct(tts.accept_new_text, frozen.accept_new_text),
+        long_clean_gain_pct=_pct(tts.accept_long_clean, frozen.accept_long_clean),
     )
 
 

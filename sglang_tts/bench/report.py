@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
-from sglang_tts.bench.metrics import ALL, GREEDY, Aggregates, Summary
+from sglang_tts.bench.metrics import ALL, GREEDY, LONG_OUTPUT_TOKENS, Aggregates, Summary
 from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import parse_mode
 
@@ -162,12 +162,19 @@ def acceptance_tables(aggregates: Aggregates) -> str:
             ("whole output", "accept_mean", "accept_gain_pct"),
             ("last quarter of each output", "accept_last_quarter", "last_quarter_gain_pct"),
             ("quarters of each output that do not loop", "accept_new_text", "new_text_gain_pct"),
+            (
+                f"outputs of at least {LONG_OUTPUT_TOKENS} tokens that never loop (frozen's count in brackets)",
+                "accept_long_clean",
+                "long_clean_gain_pct",
+            ),
         ):
             header = ["dataset", "frozen", *(s.config.split(":", 1)[1] for s in tts)]
             rows = []
             for dataset in [*aggregates.datasets, ALL]:
                 frozen = aggregates.summary(frozen_name, dataset)
                 row = [dataset, fmt(getattr(frozen, attr) if frozen else None)]
+                if attr == "accept_long_clean" and frozen is not None:
+                    row[1] += f" ({frozen.long_clean_requests})"
                 for s in tts:
                     mine = aggregates.summary(s.config, dataset)
                     comparison = aggregates.comparison(s.config, dataset)
@@ -561,13 +568,17 @@ def render_markdown(
         "acceptance is SGLang's spec_accept_length); frozen: TTS with `--tts-freeze`; ngram: SGLang's NGRAM "
         "algorithm (no drafter; acceptance from spec_accept_length too), its corpus emptied before each request.",
         "- best TTS: the asynchronous TTS configuration with the highest tok/s over all datasets.",
-        "- ms/update, update % of wall: `tts_update_ms` (overlapped with serving unless `--tts-sync`).",
+        "- ms/update, update % of wall: `tts_update_ms` (overlapped with serving unless `--tts-sync`). In modes "
+        "`-c<N>` with one shared drafter (`--tts-scope batch`), each request counts every update made while it "
+        "ran, so updates/req and update % of wall count one update up to N times.",
         "- updates-free tok/s (sync only): tokens / (wall - update time): what that acceptance would give if "
         "updates were free; an optimistic bound for the asynchronous executor (it ignores that overlapped "
         "updates still compete for cores).",
         "- repetition: share of distinct word 4-grams in each quarter of an output's text (`distinct_ngrams` in "
         f"results.json); a last quarter below {REPETITIVE_BELOW:.0%} loops, which `--ignore-eos` invites. "
         '"Quarters that do not loop": acceptance over the rounds starting in quarters at or above that share.',
+        f"- outputs of at least {LONG_OUTPUT_TOKENS} tokens that never loop: acceptance pooled over the requests "
+        "with that many completion tokens and every quarter at or above that share (whole requests).",
     ]
     return "\n".join(out) + "\n"
 

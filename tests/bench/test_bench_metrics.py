@@ -10,6 +10,7 @@ from sglang_tts.bench.metrics import (
     aggregate,
     aggregate_by_sampling,
     bucket_accept,
+    long_and_clean,
     pooled_accept,
     pooled_accept_from,
     round_starts,
@@ -171,3 +172,30 @@ def test_acceptance_on_new_text_leaves_out_the_rounds_in_looping_quarters():
     assert agg.summary("eagle3:tts-s1").accept_new_text == pytest.approx(32 / 23)
     assert agg.summary("eagle3:tts-s1").accept_mean == pytest.approx(60 / 30)  # the loop inflates the mean
     assert agg.comparison("eagle3:tts-s1").new_text_gain_pct == pytest.approx((32 / 23 - 1) * 100)
+
+
+def test_long_outputs_that_never_loop_are_pooled_as_whole_requests():
+    clean, looping = [0.9] * 4, [0.9, 0.9, 0.9, 0.2]
+    # Two long clean answers per configuration, one long looping one and one short clean one (both left out).
+    frozen = [
+        record("eagle3:frozen", "d", [1] * 1100, 1.0, prompt_id="a", distinct_ngrams=clean),
+        record("eagle3:frozen", "d", [2] * 520, 1.0, prompt_id="b", distinct_ngrams=clean),
+        record("eagle3:frozen", "d", [1] * 1100, 1.0, prompt_id="c", distinct_ngrams=looping),
+        record("eagle3:frozen", "d", [1] * 100, 1.0, prompt_id="e", distinct_ngrams=clean),
+    ]
+    tts = [
+        record("eagle3:tts-s1", "d", [2] * 550, 1.0, prompt_id="a", distinct_ngrams=clean),
+        record("eagle3:tts-s1", "d", [4] * 260, 1.0, prompt_id="b", distinct_ngrams=clean),
+        record("eagle3:tts-s1", "d", [4] * 275, 1.0, prompt_id="c", distinct_ngrams=looping),
+        record("eagle3:tts-s1", "d", [1] * 100, 1.0, prompt_id="e", distinct_ngrams=clean),
+    ]
+    assert [long_and_clean(r) for r in frozen] == [True, True, False, False]
+    assert not long_and_clean(record("eagle3:frozen", "d", [1] * 1100, 1.0))  # no text scores: not counted
+    agg = aggregate(frozen + tts, full_configs(("frozen", "tts-s1")), bucket=64)
+    mine, base = agg.summary("eagle3:tts-s1"), agg.summary("eagle3:frozen")
+    assert (base.long_clean_requests, mine.long_clean_requests) == (2, 2)
+    assert base.accept_long_clean == pytest.approx((1100 + 1040) / (1100 + 520))
+    assert mine.accept_long_clean == pytest.approx((1100 + 1040) / (550 + 260))
+    assert agg.comparison("eagle3:tts-s1").long_clean_gain_pct == pytest.approx(
+        ((2140 / 810) / (2140 / 1620) - 1) * 100
+    )

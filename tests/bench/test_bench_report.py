@@ -50,6 +50,14 @@ def test_acceptance_on_new_text_is_tabled_against_frozen():
     assert _row(new_text, "all") == ["all", "1.00", "1.39 (+39.1%)"]
 
 
+def test_long_outputs_that_never_loop_are_tabled_with_their_count():
+    frozen = record("eagle3:frozen", "d", [1] * 1100, 1.0, distinct_ngrams=[0.9] * 4)
+    tts = record("eagle3:tts-s1", "d", [2] * 550, 1.0, distinct_ngrams=[0.9] * 4)
+    text = acceptance_tables(aggregate([tts, frozen], full_configs(("frozen", "tts-s1")), bucket=64))
+    long_clean = text.split("outputs of at least 1024 tokens that never loop")[1]
+    assert _row(long_clean, "all") == ["all", "1.00 (1)", "2.00 (+100.0%)"]
+
+
 def test_throughput_and_async_sync_tables():
     agg = aggregate(full_records(), full_configs(), bucket=20)
     text = throughput_table(agg)

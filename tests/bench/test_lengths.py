@@ -31,7 +31,9 @@ RECORDS = [
     _record("no-spec", "long-gen", 4096, "length", CLEAN),
     _record("no-spec", "reasoning", 400, "stop", CLEAN),
     _record("no-spec", "reasoning", 500, "stop", CLEAN, sampling="t0.7"),
-    _record("no-spec", "reasoning", 450, "stop", CLEAN, concurrency=4),  # batched: not counted
+    # Batched: a mode of its own; the wave repeated its one prompt to fill itself, counted once.
+    _record("no-spec", "reasoning", 450, "stop", CLEAN, sampling="greedy-c2", concurrency=2),
+    _record("no-spec", "reasoning", 450, "stop", CLEAN, sampling="greedy-c2", concurrency=2),
     _record("eagle3:frozen", "long-gen", 100, "stop", CLEAN),  # another configuration: not counted
 ]
 
@@ -43,7 +45,12 @@ def test_nearest_rank() -> None:
 
 def test_length_stats_per_workload_and_mode() -> None:
     stats = {(s.dataset, s.sampling): s for s in length_stats(RECORDS)}
-    assert set(stats) == {("long-gen", "greedy"), ("reasoning", "greedy"), ("reasoning", "t0.7")}
+    assert set(stats) == {
+        ("long-gen", "greedy"),
+        ("reasoning", "greedy"),
+        ("reasoning", "greedy-c2"),
+        ("reasoning", "t0.7"),
+    }
     gen = stats["long-gen", "greedy"]
     assert (gen.requests, gen.natural, gen.truncated, gen.looping) == (5, 4, 1, 1)
     # >= 1500 and no looping quarter: 1800, 1600 and the truncated 4096 (the 2400 loops).
@@ -51,6 +58,8 @@ def test_length_stats_per_workload_and_mode() -> None:
     # Natural ends sorted: 900, 1600, 1800, 2400.
     assert gen.quantiles == {"min": 900, "p10": 900, "p25": 900, "median": 1600, "p75": 1800, "p90": 2400, "max": 2400}
     assert stats["reasoning", "greedy"].requests == 1 and stats["reasoning", "t0.7"].quantiles["max"] == 500
+    batched = stats["reasoning", "greedy-c2"]
+    assert (batched.requests, batched.natural, batched.quantiles["median"]) == (1, 1, 450)
     frozen = length_stats(RECORDS, config="eagle3:frozen", threshold=50)
     assert [(s.dataset, s.natural, s.long_clean) for s in frozen] == [("long-gen", 1, 1)]
     with pytest.raises(LengthsError, match="recorded: no-spec, eagle3:frozen"):
