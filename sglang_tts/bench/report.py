@@ -158,14 +158,16 @@ def acceptance_tables(aggregates: Aggregates) -> str:
         frozen_name = f"{kind}:frozen"
         if not tts or aggregates.summary(frozen_name) is None:
             continue
-        for label, attr, gain in (
-            ("whole output", "accept_mean", "accept_gain_pct"),
-            ("last quarter of each output", "accept_last_quarter", "last_quarter_gain_pct"),
-            ("quarters of each output that do not loop", "accept_new_text", "new_text_gain_pct"),
+        # (title, Summary attribute, Comparison attribute, Summary attribute counting the requests or None)
+        for label, attr, gain, count in (
+            ("whole output", "accept_mean", "accept_gain_pct", None),
+            ("last quarter of each output", "accept_last_quarter", "last_quarter_gain_pct", None),
+            ("quarters of each output that do not loop", "accept_new_text", "new_text_gain_pct", None),
             (
                 f"outputs of at least {LONG_OUTPUT_TOKENS} tokens that never loop (frozen's count in brackets)",
                 "accept_long_clean",
                 "long_clean_gain_pct",
+                "long_clean_requests",
             ),
         ):
             header = ["dataset", "frozen", *(s.config.split(":", 1)[1] for s in tts)]
@@ -173,8 +175,8 @@ def acceptance_tables(aggregates: Aggregates) -> str:
             for dataset in [*aggregates.datasets, ALL]:
                 frozen = aggregates.summary(frozen_name, dataset)
                 row = [dataset, fmt(getattr(frozen, attr) if frozen else None)]
-                if attr == "accept_long_clean" and frozen is not None:
-                    row[1] += f" ({frozen.long_clean_requests})"
+                if count is not None and frozen is not None:
+                    row[1] += f" ({getattr(frozen, count)})"
                 for s in tts:
                     mine = aggregates.summary(s.config, dataset)
                     comparison = aggregates.comparison(s.config, dataset)
