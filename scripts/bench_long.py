@@ -123,6 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="openai",
         help="openai: /v1/chat/completions through the openai client (default); generate: SGLang's /generate",
     )
+    data.add_argument(
+        "--stream",
+        action="store_true",
+        help="with --api generate: stream each response and record its time to first token (client-side)",
+    )
     run = parser.add_argument_group("run and report")
     run.add_argument(
         "--rounds", type=int, help="prompt chunks, every configuration per chunk (default min(3, prompts))"
@@ -258,7 +263,9 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "ignore_eos": sampling.ignore_eos,
-            "api": "/v1/chat/completions (openai client)" if args.api == "openai" else "/generate (token ids)",
+            "api": "/v1/chat/completions (openai client)"
+            if args.api == "openai"
+            else "/generate (token ids" + (", streamed)" if args.stream else ")"),
             "tts_lr": tts_lr if tts_lr is not None else "server default",
             "eagle3_shape": args.eagle3_shape,
             "smoke": args.smoke,
@@ -271,6 +278,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         temperatures=temperatures,
         concurrencies=concurrencies,
         api=args.api,
+        stream=args.stream,
         warmup_tokens=warmup,
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
@@ -297,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv if argv is None else [sys.argv[0], *argv])
     parser = build_parser()
     args = parser.parse_args(argv[1:])
+    if args.stream and args.api != "generate":
+        parser.error("--stream needs --api generate (the OpenAI path does not return meta_info when streaming)")
     if args.from_json:
         try:
             result = rerender(args.from_json, args.bucket, args.reference)

@@ -9,6 +9,8 @@ from typing import Literal
 Scope = Literal["batch", "request", "global"]
 SCOPES = ("batch", "request", "global")
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
+PromptAdapt = Literal["off", "on", "only"]
+PROMPT_ADAPT_MODES = ("off", "on", "only")
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
 
@@ -58,6 +60,24 @@ class TTSConfig:
     # are conditioned on a rejected token, and training on them slowed adaptation down badly in our
     # replay of served canvases (docs/results.md). "full": every drafted position of a chain (paper's sum).
     canvas: Literal["accepted", "full"] = "accepted"
+    # Prompt-time adaptation (core/prompt.py): after a request's prefill, train the drafter on its
+    # prompt (the drafter's inputs at the last `prompt_positions` prompt positions, next prompt
+    # tokens as labels) before and while its first rounds decode. "on": then TTS as usual; "only":
+    # no verify-round updates (prompt adaptation alone); "off": never (the default until it has
+    # proved itself on the long-context workload, docs/prompt-adaptation.md).
+    prompt_adapt: PromptAdapt = "off"
+    prompt_positions: int = 512
+    prompt_steps: int = 4  # optimizer steps per prompt update
+    prompt_lr: float = 3e-4  # Adam learning rate of those steps (verify updates keep `lr`)
+    # EAGLE-3: draft steps of the training-time-test unroll over the prompt (row t predicts t+2..t+1+depth);
+    # DFlash: block slots trained per anchor (at most block_size - 1).
+    prompt_depth: int = 3
+    # Name prefixes of the trained parameters the prompt steps move (with per-request adapters: of
+    # the adapted layers). None: the feature projection `fc` where it is trained, else all of them.
+    # Offline on the long-context workload, training everything on the prompt hurt the answer
+    # (the drafter was trained on answer positions only; prompt positions are another regime), while
+    # `fc` alone helped (docs/prompt-adaptation.md). ("",): every trained parameter.
+    prompt_trainable: tuple[str, ...] | None = None
     # Log a summary line every this many rounds (0: never).
     log_interval: int = 50
     # Record per-round accepted lengths for requests that ask for them (meta_info).
@@ -110,6 +130,23 @@ class TTSConfig:
                 raise TTSConfigError("--tts-position-weights must be non-negative numbers")
         if self.controller is not None and not str(self.controller).strip():
             raise TTSConfigError("--tts-controller needs a policy file path (or 'none')")
+        if self.prompt_adapt not in PROMPT_ADAPT_MODES:
+            raise TTSConfigError(
+                f"--tts-prompt-adapt must be one of {'|'.join(PROMPT_ADAPT_MODES)}, got {self.prompt_adapt!r}"
+            )
+        for flag, value in (
+            ("--tts-prompt-positions", self.prompt_positions),
+            ("--tts-prompt-steps", self.prompt_steps),
+            ("--tts-prompt-depth", self.prompt_depth),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TTSConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.prompt_positions > 65536:
+            raise TTSConfigError(
+                f"--tts-prompt-positions {self.prompt_positions} is above 65536 (memory grows with it)"
+            )
+        if not (0.0 < self.prompt_lr <= 1e-1):
+            raise TTSConfigError(f"--tts-prompt-lr must be in (0, 0.1], got {self.prompt_lr!r}")
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
         return self
@@ -124,6 +161,16 @@ class TTSConfig:
                 if isinstance(number, float) and not math.isfinite(number):
                     flag = f"--tts-{f.name.replace('_', '-')}"
                     raise TTSConfigError(f"{flag} must be a finite number, got {value!r}")
+
+    @property
+    def verify_updates(self) -> bool:
+        """Do verify rounds update the drafter? (not frozen, not prompt adaptation alone)"""
+        return not self.freeze and self.prompt_adapt != "only"
+
+    @property
+    def prompt_updates(self) -> bool:
+        """Does a request's prompt update the drafter?"""
+        return not self.freeze and self.prompt_adapt != "off"
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -160,6 +160,9 @@ class Summary:
     accept_new_text: float | None = None  # rounds in quarters that do not loop (rounds_in_new_text)
     long_clean_requests: int = 0  # requests of >= LONG_OUTPUT_TOKENS tokens that never loop (long_and_clean)
     accept_long_clean: float | None = None  # pooled over those requests
+    prompt_positions: int | None = None  # --tts-prompt-adapt: prompt positions learned, summed over requests
+    prompt_ms: float | None = None  # ... run time of those prompt updates, summed per request
+    ttft_mean_s: float | None = None  # streamed requests: mean time to first token (client-side)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -178,6 +181,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
     skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
     update_ms = _sum_opt(r.tts_update_ms for r in records)
     clean = [r for r in records if long_and_clean(r)]
+    positions = _sum_opt(r.tts_prompt_positions for r in records)
     free = None
     if config.sync and update_ms is not None and wall - update_ms / 1000 > 0:
         free = tokens / (wall - update_ms / 1000)
@@ -206,6 +210,9 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         accept_new_text=_mean([n for r in records for n in rounds_in_new_text(r)]),
         long_clean_requests=len(clean),
         accept_long_clean=pooled_accept(clean),
+        prompt_positions=None if positions is None else int(positions),
+        prompt_ms=_sum_opt(r.tts_prompt_ms for r in records),
+        ttft_mean_s=_mean([r.ttft_s for r in records if r.ttft_s is not None]),
     )
 
 

@@ -310,6 +310,23 @@ def position_table(aggregates: Aggregates) -> str:
     return table(["output tokens", *(s.config for s in rows_by)], rows)
 
 
+def prompt_ttft_table(aggregates: Aggregates) -> str | None:
+    """Prompt adaptation's work and the time to first token, per configuration (None: neither was recorded)."""
+    rows_by = [s for s in aggregates.summaries if s.dataset == ALL]
+    if not any(s.prompt_positions or s.ttft_mean_s is not None for s in rows_by):
+        return None
+    rows = [
+        [
+            s.config,
+            str(s.prompt_positions or 0),
+            fmt(s.prompt_ms / 1000 / s.requests, 1) if s.prompt_ms and s.requests else "-",
+            fmt(s.ttft_mean_s) if s.ttft_mean_s is not None else "-",
+        ]
+        for s in rows_by
+    ]
+    return table(["configuration", "prompt positions learned", "prompt update s per request", "mean TTFT s"], rows)
+
+
 def losses(aggregates: Aggregates) -> list[str]:
     """Plain sentences for every TTS configuration and dataset where TTS does not beat frozen."""
     out = []
@@ -469,6 +486,11 @@ def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], lev
         "",
         position_table(aggregates),
         "",
+    ]
+    prompt = prompt_ttft_table(aggregates)
+    if prompt is not None:
+        out += [f"{level} Prompt adaptation and time to first token", "", prompt, ""]
+    out += [
         f"{level} Where TTS does not win",
         "",
     ]

@@ -124,7 +124,10 @@ class RequestRecord:
     tts_num_updates: int | None = None
     tts_num_skipped_updates: int | None = None
     tts_update_ms: float | None = None
+    tts_prompt_positions: int | None = None  # --tts-prompt-adapt: positions its prompt update trained on
+    tts_prompt_ms: float | None = None  # ... and that prompt update's run time
     e2e_latency_s: float | None = None  # the server's own measurement
+    ttft_s: float | None = None  # streamed requests (--stream): request sent -> first token, client-side
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
     concurrency: int = 1  # requests sent together (the wave size; 1 = sequential)
     wave_wall_s: float | None = None  # first request sent -> last response of its wave (concurrency > 1)
@@ -210,6 +213,7 @@ class Response:
     prompt_tokens: int | None
     output_digest: str
     text: str | None = None
+    ttft_s: float | None = None  # streamed requests: request sent -> first token received (client-side)
 
 
 def _digest(value: Any) -> str:
@@ -249,6 +253,7 @@ def send_generate(
     details: bool,
     timeout: float,
     max_new_tokens: int | None = None,
+    stream: bool = False,
 ) -> Response:
     """SGLang's native ``/generate`` with token ids (the chat template was applied client-side)."""
     if prompt.input_ids is None:
@@ -256,7 +261,12 @@ def send_generate(
     params = sampling.generate_params(max_new_tokens)
     if details:
         params["custom_params"] = DETAILS
-    out = _post_json(base_url + "/generate", {"input_ids": list(prompt.input_ids), "sampling_params": params}, timeout)
+    payload = {"input_ids": list(prompt.input_ids), "sampling_params": params}
+    ttft = None
+    if stream:
+        out, ttft = _stream_generate(base_url + "/generate", payload, timeout)
+    else:
+        out = _post_json(base_url + "/generate", payload, timeout)
     meta = out.get("meta_info") or {}
     return Response(
         meta,
@@ -264,7 +274,29 @@ def send_generate(
         meta.get("prompt_tokens"),
         _digest(out.get("output_ids", out.get("text"))),
         out.get("text"),
+        ttft,
     )
+
+
+def _stream_generate(url: str, payload: dict[str, Any], timeout: float) -> tuple[dict[str, Any], float | None]:
+    """A streamed ``/generate``: the last chunk (SGLang's chunks carry the whole output so far and its
+    meta_info) and the seconds until the first chunk with a token arrived."""
+    data = json.dumps({**payload, "stream": True}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method="POST")
+    start, ttft, last = time.perf_counter(), None, {}
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                last = json.loads(line[len("data:") :])
+                if ttft is None and (last.get("meta_info") or {}).get("completion_tokens", 0) >= 1:
+                    ttft = time.perf_counter() - start
+    except urllib.error.HTTPError as error:
+        body = error.read().decode(errors="replace")[:2000]
+        raise RuntimeError(f"{url} answered HTTP {error.code}: {body}") from None
+    return last, ttft
 
 
 @functools.lru_cache(maxsize=8)
@@ -344,7 +376,10 @@ def record_from_response(
         tts_num_updates=_opt(meta, "tts_num_updates", int),
         tts_num_skipped_updates=_opt(meta, "tts_num_skipped_updates", int),
         tts_update_ms=_opt(meta, "tts_update_ms", float),
+        tts_prompt_positions=_opt(meta, "tts_prompt_positions", int),
+        tts_prompt_ms=_opt(meta, "tts_prompt_ms", float),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
+        ttft_s=response.ttft_s,
         output_digest=response.output_digest,
         distinct_ngrams=None if response.text is None else distinct_by_quarter(response.text),
     )
@@ -367,6 +402,7 @@ class RunnerSettings:
     # Each mode runs once per concurrency: 1 = one request at a time; c > 1 = waves of c requests.
     concurrencies: tuple[int, ...] = (1,)
     api: str = "openai"  # "openai" (/v1/chat/completions through the openai client) | "generate"
+    stream: bool = False  # api "generate" only: stream responses and record the time to the first token
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
     server_timeout_s: float = 900.0
@@ -400,7 +436,7 @@ class Runner:
         if s.api == "openai":
             model = s.served_model or s.model
             return send_openai(base_url, model, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
-        return send_generate(base_url, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
+        return send_generate(base_url, prompt, sampling, details, s.request_timeout_s, max_new_tokens, s.stream)
 
     def _stop(self) -> None:
         from sglang_tts.bench.server import stop_server

@@ -37,6 +37,7 @@ from torch import nn
 
 from sglang_tts.config import FULL_RANK
 from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.prompt import PromptBatch, PromptTerms
 from sglang_tts.kernels import lowrank_delta
 
 NO_SLOT = -1  # rows of requests without an adapter (over the cap): base drafter, no delta
@@ -289,6 +290,36 @@ class AdaptedDrafter(nn.Module):
         hidden = self.canvas_hidden(canvas)  # logits = hidden @ head.T (the DifferentiableDrafter contract)
         return hidden @ self.lm_head_weight().T + self.bank.row_delta(self.head_layer, hidden, canvas.slots)
 
+    def prompt_terms(self, batch: PromptBatch, depth: int, on_rows=None) -> PromptTerms:
+        """The base drafter's prompt forward with each row's slot active (batch.slots; None: base)."""
+        slots = batch.slots
+
+        def rows(index: torch.Tensor) -> None:
+            self.active_slots = None if slots is None else slots[index]
+
+        try:
+            return self.base.prompt_terms(batch, depth, rows)
+        finally:
+            self.active_slots = None
+
+    def prompt_head_delta(self, batch: PromptBatch):
+        """The adapted LM head's per-row logits delta for `prompt_loss` (None: no head adapter)."""
+        if self.head_layer is None or batch.slots is None:
+            return None
+        slots, layer = batch.slots, self.head_layer
+
+        def delta(hidden: torch.Tensor, batch_rows: torch.Tensor) -> torch.Tensor:
+            out = hidden.new_zeros(hidden.shape[0], self.bank.layers[layer].out_features)
+            for row in torch.unique(batch_rows).tolist():  # one request (one slot) at a time
+                picked = batch_rows == row
+                out = out.index_put(
+                    (picked.nonzero(as_tuple=True)[0],),
+                    self.bank.row_delta(layer, hidden[picked][None], slots[row : row + 1])[0],
+                )
+            return out
+
+        return delta
+
     @property
     def lm_head_per_row(self) -> bool:
         """True when each row has its own LM-head delta: the loss must use `canvas_logits` (no one
@@ -306,6 +337,10 @@ class AdaptedDrafter(nn.Module):
 
     def trainable_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(n, p) for n, p in self.named_parameters() if n.startswith("bank.")]
+
+    def adapted_layer_of(self, name: str) -> str:
+        """The drafter layer (e.g. 'fc') a bank parameter adapts."""
+        return self.bank.layers[self.bank.layer_of_parameter(name)].name
 
     def isolation_groups(self, names: Sequence[str]) -> list[list[int]]:
         """Indices into `names` grouped by slot: gradient clipping is per request."""

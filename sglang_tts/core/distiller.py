@@ -16,6 +16,11 @@ When an update is due (the schedule is deterministic, independent of timing):
     "a synchronization barrier is inserted after S-1 rounds"). With S = 1 that is the next round.
   barrier(force=True) applies a pending update now (end of a scope, tests, checkpoints).
 
+Prompt updates (core/prompt.py, --tts-prompt-adapt): submit_prompt(batch) runs `prompt_steps`
+optimizer steps of the drafter's own objective on prompt windows, at `prompt_lr`, moving only the
+`prompt_trainable` parameters; in the executor like any update, rolled back the same way, and
+published by the barrier on the same schedule. Counted apart (stats.num_prompt_updates, ...).
+
 Weight versions. The drafter is trained in a private copy; the serving copy is written only
 inside barrier() (reset() publishes through barrier() too), and only while no update is running
 (a barrier that is not due while one is in flight publishes nothing: it would copy tensors the
@@ -59,6 +64,7 @@ from sglang_tts.config import TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas, CanvasBuffers
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.loss import compute_loss, tts_loss
+from sglang_tts.core.prompt import PromptBatch, prompt_loss
 from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.stats import DistillerStats
 
@@ -81,6 +87,9 @@ class UpdateOutcome:
     num_positions: int = 0
     round: int = -1  # the Distiller round that submitted this update
     update_index: int = -1  # 0-based count of submitted updates
+    kind: Literal["verify", "prompt"] = "verify"
+    last_loss: float = math.nan  # prompt updates: the loss before their last step
+    steps: int = 0  # optimizer steps taken
 
 
 class _RollbackPoint:
@@ -197,6 +206,8 @@ class Distiller:
         self._weights_cache: dict[int, torch.Tensor] = {}
         self._canvas_buffers = CanvasBuffers(self.device)  # see capture_buffers()
         self._window_start = 0  # scope round at which the current stride's windows began
+        # Which trained parameters prompt steps move (indices into train_params).
+        self._prompt_params = self._select_prompt_params() if self.config.prompt_updates else []
 
     # --- the serving-thread API -------------------------------------------------------------
 
@@ -211,7 +222,7 @@ class Distiller:
 
     def next_round_submits(self) -> bool:
         """Will the next observe() submit an update? Lets the engine build a canvas only then."""
-        return not self.config.freeze and (self._window_rounds + 1) % self.config.update_stride == 0
+        return self.config.verify_updates and (self._window_rounds + 1) % self.config.update_stride == 0
 
     def capture_buffers(self) -> CanvasBuffers:
         """Where the engine builds the next update's canvas (preallocated, reused by every update).
@@ -233,7 +244,7 @@ class Distiller:
         self.stats.scope_rounds += 1
         if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
             logger.info("TTS %s", self.stats.snapshot())
-        if self.config.freeze or self._window_rounds % self.config.update_stride != 0 or canvas is None:
+        if not self.config.verify_updates or self._window_rounds % self.config.update_stride != 0 or canvas is None:
             return False
         if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
             self._absorb(self.executor.wait())
@@ -247,6 +258,21 @@ class Distiller:
         update_index, submitted_round = self._num_submitted, self.stats.rounds
         self._num_submitted += 1
         self.executor.submit(lambda: self._update(private, update_index, submitted_round))
+        return True
+
+    def submit_prompt(self, batch: PromptBatch) -> bool:
+        """Submit a prompt update (core/prompt.py): `prompt_steps` optimizer steps at `prompt_lr` on
+        the prompt windows in `batch` (the update's own tensors, e.g. from collate_windows). It runs
+        like any update -- in the executor, rolled back as a whole on failure -- and is published by
+        the barrier on the same schedule (due before the round whose observe() submits the next
+        update). A pending update is collected first. Returns whether it was submitted."""
+        if not self.config.prompt_updates or batch.num_positions == 0:
+            return False
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        update_index, submitted_round = self._num_submitted, self.stats.rounds
+        self._num_submitted += 1
+        self.executor.submit(lambda: self._update(batch, update_index, submitted_round))
         return True
 
     def barrier(self, force: bool = False) -> bool:
@@ -345,13 +371,16 @@ class Distiller:
 
     # --- the update (runs in the executor) ----------------------------------------------------
 
-    def _update(self, canvas: Canvas, update_index: int, submitted_round: int) -> UpdateOutcome:
+    def _update(self, data: Canvas | PromptBatch, update_index: int, submitted_round: int) -> UpdateOutcome:
         fault = self.fault_injector(update_index) if self.fault_injector is not None else None
         self._rollback.save(self.optimizer)
         try:
-            outcome = self._train(canvas, fault)
+            outcome = self._train_prompt(data, fault) if isinstance(data, PromptBatch) else self._train(data, fault)
         except Exception as exc:  # noqa: BLE001 - any failure becomes a skipped, rolled-back update
             outcome = UpdateOutcome("skipped", reason=f"{type(exc).__name__}: {exc}")
+        if isinstance(data, PromptBatch):
+            outcome.kind = "prompt"
+            outcome.num_positions = data.num_positions
         if outcome.status == "skipped":
             self._rollback.restore(self.optimizer)
         outcome.round = submitted_round
@@ -373,52 +402,128 @@ class Distiller:
             use_reg = cfg.reg_lambda > 0.0 and cfg.steps_per_update > 1
             prev_logits = drafter.canvas_logits(canvas) if use_reg else None
 
-        first_loss, first_kl = math.nan, math.nan
-        for step in range(cfg.steps_per_update):
+        reg_lambda = cfg.reg_lambda if use_reg else 0.0
+
+        def forward(step: int) -> tuple[torch.Tensor, float]:
+            if getattr(drafter, "lm_head_per_row", False):  # per-request LM heads: nothing to fuse
+                out = tts_loss(drafter.canvas_logits(canvas), teacher, weights, mask, prev_logits, reg_lambda)
+            else:
+                out = compute_loss(
+                    drafter.canvas_hidden(canvas),
+                    drafter.lm_head_weight(),
+                    teacher,
+                    weights,
+                    mask,
+                    prev_logits,
+                    reg_lambda,
+                    cfg.loss_backend,
+                )
+            return out.loss, float(out.kl_teacher) if step == 0 else math.nan
+
+        ran = self._run_steps(cfg.steps_per_update, forward, fault)
+        if isinstance(ran, UpdateOutcome):
+            return ran
+        first_loss, _, first_kl = ran
+        return UpdateOutcome(
+            "ok", loss=first_loss, kl_teacher=first_kl, num_positions=num_positions, steps=cfg.steps_per_update
+        )
+
+    def _run_steps(
+        self,
+        steps: int,
+        forward: Callable[[int], tuple[torch.Tensor, float] | None],
+        fault: str | None,
+        what: str = "",
+    ) -> tuple[float, float, float] | UpdateOutcome:
+        """`steps` optimizer steps on forward(step) -> (loss, a value kept from step 0), with the fault
+        injections, finite checks and clipping every update shares. Returns (the loss before the first
+        step, before the last, step 0's value), or the outcome that ends the update early: skipped (the
+        caller rolls back), or empty when forward returns None (nothing to train on)."""
+        first = last = extra = math.nan
+        for step in range(steps):
             self.optimizer.zero_grad(set_to_none=True)
             with torch.enable_grad():
-                reg_lambda = cfg.reg_lambda if use_reg else 0.0
-                if getattr(drafter, "lm_head_per_row", False):  # per-request LM heads: nothing to fuse
-                    out = tts_loss(drafter.canvas_logits(canvas), teacher, weights, mask, prev_logits, reg_lambda)
-                else:
-                    out = compute_loss(
-                        drafter.canvas_hidden(canvas),
-                        drafter.lm_head_weight(),
-                        teacher,
-                        weights,
-                        mask,
-                        prev_logits,
-                        reg_lambda,
-                        cfg.loss_backend,
-                    )
-                loss = out.loss
-                if fault == "nan" and step == cfg.steps_per_update - 1:
+                out = forward(step)
+                if out is None:
+                    return UpdateOutcome("empty", reason=f"no {what}position carries a label")
+                loss, value = out
+                if fault == "nan" and step == steps - 1:
                     loss = loss * math.nan
-                loss_value = float(loss.detach())
-                if not math.isfinite(loss_value):
-                    return UpdateOutcome("skipped", reason=f"non-finite loss at step {step}")
+                last = float(loss.detach())
+                if not math.isfinite(last):
+                    return UpdateOutcome("skipped", reason=f"non-finite {what}loss at step {step}")
                 loss.backward()
             if step == 0:
-                first_loss, first_kl = loss_value, float(out.kl_teacher)
+                first, extra = last, value
                 if fault == "inf_grad":
                     next(p for p in self.train_params if p.grad is not None).grad.view(-1)[0] = math.inf
             grad_norm = self._clip_gradients()
             if not math.isfinite(grad_norm):
-                return UpdateOutcome("skipped", reason=f"non-finite gradient at step {step}")
+                return UpdateOutcome("skipped", reason=f"non-finite {what}gradient at step {step}")
             self.optimizer.step()
             if fault == "raise" and step == 0:
                 raise RuntimeError("injected fault after the optimizer step")
         self.optimizer.zero_grad(set_to_none=True)
+        if not self._weights_finite(fault):
+            return UpdateOutcome("skipped", reason=f"non-finite weights after the {what}step")
+        return first, last, extra
+
+    def _select_prompt_params(self) -> list[int]:
+        """config.prompt_trainable -> indices into train_params (see TTSConfig.prompt_trainable)."""
+        layer_of = getattr(self.trained_drafter, "adapted_layer_of", lambda name: name)
+        layers = [layer_of(n) for n in self.train_names]
+        prefixes = self.config.prompt_trainable
+        if prefixes is None:
+            picked = [i for i, layer in enumerate(layers) if layer == "fc" or layer.startswith("fc.")]
+            return picked or list(range(len(layers)))
+        picked = [i for i, layer in enumerate(layers) if any(layer.startswith(p) for p in prefixes)]
+        if not picked:
+            raise TTSConfigError(
+                f"--tts-prompt-trainable {','.join(prefixes)} selects none of the trained parameters "
+                f"(layers: {sorted(set(layers))})"
+            )
+        return picked
+
+    def _train_prompt(self, batch: PromptBatch, fault: str | None) -> UpdateOutcome:
+        """`prompt_steps` steps of the drafter's own objective on prompt windows, at `prompt_lr`,
+        moving only the prompt-trainable parameters (the others take no gradient meanwhile: the
+        trained copy is the update's own)."""
+        drafter, cfg = self.trained_drafter, self.config
+        head_delta = drafter.prompt_head_delta(batch) if hasattr(drafter, "prompt_head_delta") else None
+        saved_lr = [group["lr"] for group in self.optimizer.param_groups]
+        for group in self.optimizer.param_groups:
+            group["lr"] = cfg.prompt_lr
+        moved = set(self._prompt_params)
+        held = [p for i, p in enumerate(self.train_params) if i not in moved]
+        for p in held:
+            p.requires_grad_(False)
+        try:
+
+            def forward(step: int) -> tuple[torch.Tensor, float] | None:
+                terms = drafter.prompt_terms(batch, cfg.prompt_depth)
+                if terms.labels.numel() == 0:
+                    return None  # no prompt position carries a label
+                return prompt_loss(terms, drafter.lm_head_weight(), head_delta), math.nan
+
+            ran = self._run_steps(cfg.prompt_steps, forward, fault, "prompt ")
+        finally:
+            for group, lr in zip(self.optimizer.param_groups, saved_lr):
+                group["lr"] = lr
+            for p in held:
+                p.requires_grad_(True)
+        if isinstance(ran, UpdateOutcome):
+            return ran
+        first_loss, last_loss, _ = ran
+        return UpdateOutcome("ok", loss=first_loss, last_loss=last_loss, steps=cfg.prompt_steps)
+
+    def _weights_finite(self, fault: str | None) -> bool:
         with torch.no_grad():
             if fault == "nan_weights":
                 self.train_params[-1].view(-1)[0] = math.nan
             # One norm over all trained tensors (foreach): NaN or Inf anywhere makes it non-finite, as
             # does a weight so large its square overflows (a broken drafter either way). A tenth of
             # the cost of isfinite(p).all() per tensor on CPU (1.6 vs 15-25 ms for 10M weights).
-            finite = torch.isfinite(torch.nn.utils.get_total_norm(self.train_params))
-        if not bool(finite):
-            return UpdateOutcome("skipped", reason="non-finite weights after the step")
-        return UpdateOutcome("ok", loss=first_loss, kl_teacher=first_kl, num_positions=num_positions)
+            return bool(torch.isfinite(torch.nn.utils.get_total_norm(self.train_params)))
 
     def _clip_gradients(self) -> float:
         """Clip (per isolation group: per request with adapters, so requests never scale each
@@ -463,8 +568,9 @@ class Distiller:
         if result is None:
             return
         stats, timing = self.stats, result.timing
-        stats.update_ms_last = timing.run_s * 1e3
-        stats.update_ms_total += timing.run_s * 1e3
+        if not (isinstance(result.value, UpdateOutcome) and result.value.kind == "prompt"):
+            stats.update_ms_last = timing.run_s * 1e3
+            stats.update_ms_total += timing.run_s * 1e3
         stats.wait_ms_total += timing.wait_blocked_s * 1e3
         stats.hidden_ms_total += timing.hidden_s * 1e3
         if result.error is not None:  # the rollback itself failed: back to the published weights
@@ -480,6 +586,9 @@ class Distiller:
             )
             return
         outcome: UpdateOutcome = result.value
+        if outcome.kind == "prompt":
+            self._absorb_prompt(outcome, timing.run_s)
+            return
         if outcome.status == "ok":
             stats.num_updates += 1
             stats.scope_updates += 1
@@ -490,5 +599,22 @@ class Distiller:
         elif outcome.status == "skipped":
             stats.num_skipped_updates += 1
             logger.warning("TTS update %d skipped and rolled back: %s", outcome.update_index, outcome.reason)
+        else:
+            stats.num_empty_updates += 1
+
+    def _absorb_prompt(self, outcome: UpdateOutcome, run_s: float) -> None:
+        stats = self.stats
+        stats.prompt_ms_total += run_s * 1e3
+        if outcome.status == "ok":
+            stats.num_prompt_updates += 1
+            stats.prompt_positions_total += outcome.num_positions
+            stats.prompt_steps_total += outcome.steps
+            stats.last_prompt_loss = outcome.loss
+            stats.last_prompt_loss_after = outcome.last_loss
+            self._unpublished = True
+        elif outcome.status == "skipped":
+            stats.num_skipped_updates += 1
+            stats.num_skipped_prompt_updates += 1
+            logger.warning("TTS prompt update %d skipped and rolled back: %s", outcome.update_index, outcome.reason)
         else:
             stats.num_empty_updates += 1

@@ -23,6 +23,14 @@ class DistillerStats:
     last_loss: float = math.nan
     last_kl_teacher: float = math.nan
     last_update_round: int = -1  # the distiller round whose canvas the last kept update trained on
+    # Prompt updates (core/prompt.py): counted apart from verify-round updates.
+    num_prompt_updates: int = 0
+    num_skipped_prompt_updates: int = 0  # also in num_skipped_updates
+    prompt_positions_total: int = 0
+    prompt_steps_total: int = 0
+    prompt_ms_total: float = 0.0
+    last_prompt_loss: float = math.nan  # before the first step of the last kept prompt update
+    last_prompt_loss_after: float = math.nan  # before its last step
     # Per scope: cleared by Distiller.reset().
     scope_rounds: int = 0
     scope_updates: int = 0

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.prompt import PromptBatch, PromptTerms, RowsHook
 from sglang_tts.drafters.common import (
     CheckpointTensorError,
     KVCache,
@@ -65,6 +66,9 @@ from sglang_tts.drafters.common import (
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 # SpecForge DFlash recipe for block 16 (loss_decay_gamma: 7.0): w_k = exp(-(k - 1) / gamma).
 DFLASH_LOSS_DECAY_GAMMA = 7.0
+# Prompt-time adaptation: at most this many blocks per prompt window, evenly spaced (each block's
+# slots run over the window's context; more blocks cost memory linear in blocks x window length).
+PROMPT_BLOCKS = 64
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -425,6 +429,43 @@ class DFlashDrafter(nn.Module):
         )
         block[:, 0] = anchor_ids
         return block
+
+    def prompt_terms(self, batch: PromptBatch, depth: int, on_rows: RowsHook | None = None) -> PromptTerms:
+        """Blocks over prompt windows (core/prompt.py): at most PROMPT_BLOCKS anchors per window, evenly
+        spaced over window indices 1 .. n - 1; block [token a, MASK, ...] at a's position sees the
+        window's features of tokens before a, and slot k (1 .. min(depth, block_size - 1)) predicts
+        token a + k, weight exp(-(k - 1) / 7) (the update's weights). Slots past the window are dropped."""
+        b, t1 = batch.token_ids.shape
+        s = self.block_size
+        slots = max(1, min(depth, s - 1))
+        device = batch.token_ids.device
+        lengths = batch.real.sum(1) - 1  # real feature rows per window
+        a = int(min(PROMPT_BLOCKS, max(int(lengths.max()) - 1, 1)))
+        # anchor i of a window with n rows: 1 + floor(i * (n - 1) / a), i < min(a, n - 1)
+        steps = torch.arange(a, device=device)
+        anchors = 1 + (steps[None] * (lengths[:, None] - 1).clamp(min=0)) // a
+        keep = steps[None] < (lengths[:, None] - 1).clamp(min=0)
+        anchors = anchors.clamp(max=t1 - 1)
+        blocks = self.block_ids_for(batch.token_ids.gather(1, anchors).flatten()).view(b, a, s)
+        positions = batch.positions.gather(1, anchors)[..., None] + torch.arange(s, device=device)
+        if on_rows is not None:
+            on_rows(torch.arange(b, device=device).repeat_interleave(a))
+        hidden = self.anchored_block_hidden(
+            blocks, positions, batch.features, batch.positions[:, :-1], batch.feature_mask
+        )  # [B, A, S, H]
+        label_at = anchors[..., None] + torch.arange(1, slots + 1, device=device)  # [B, A, slots]
+        clamped = label_at.clamp(max=t1 - 1)
+        labels = batch.token_ids.gather(1, clamped.flatten(1)).view_as(label_at)
+        real = batch.real.gather(1, clamped.flatten(1)).view_as(label_at)
+        labelled = keep[..., None] & (label_at < t1) & real
+        weights = torch.exp(-torch.arange(slots, dtype=torch.float32, device=device) / DFLASH_LOSS_DECAY_GAMMA)
+        rows = torch.arange(b, device=device)[:, None, None].expand_as(label_at)
+        return PromptTerms(
+            hidden[:, :, 1 : slots + 1][labelled],
+            labels[labelled],
+            weights.expand_as(label_at)[labelled],
+            rows[labelled],
+        )
 
     # ------------------------------------------------------------------ DifferentiableDrafter
 

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.prompt import PromptBatch, PromptTerms, RowsHook
 from sglang_tts.drafters.common import (
     CheckpointTensorError,
     KVCache,
@@ -475,6 +476,8 @@ class Eagle3Drafter(nn.Module):
         row_mask: torch.Tensor | None = None,
         steps: int = 7,
         first_row: int = 0,
+        past_kv: KVCache | None = None,
+        past_mask: torch.Tensor | None = None,
     ) -> list[torch.Tensor]:
         """Training-time-test unroll over whole sequences (EAGLE-3 / SpecForge recipe): normed hidden
         [B, T - first_row, H] of rows first_row.. for each of `steps` draft steps.
@@ -491,6 +494,9 @@ class Eagle3Drafter(nn.Module):
         Steps j > 0 are row-local apart from the step-0 keys, so they run only for rows first_row.. (the
         rows a caller labels): a long prompt before a short answer then costs one causal pass, not `steps`.
         Every row's result is the same as with first_row 0.
+
+        `past_kv` (detached, [B, H_kv, L, D] per layer, valid where `past_mask`): K/V of earlier rows
+        that every row of every step also sees (e.g. a prompt's, as SGLang's draft KV cache holds it).
         """
         b, t = input_ids.shape
         if not 0 <= first_row < t:
@@ -501,11 +507,17 @@ class Eagle3Drafter(nn.Module):
         causal = (torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))[None] & row_mask[:, None, :]) | (
             torch.eye(t, dtype=torch.bool, device=device)[None]
         )
+        past_mask = check_past(past_kv, past_mask, len(self.layers), b)
+        if past_kv is not None:
+            past_kv = detach_kv(past_kv)
+            causal = torch.cat((past_mask[:, None, :].expand(b, t, -1), causal), dim=-1)
         rows = t - first_row
         eye = torch.eye(rows, dtype=torch.bool, device=device)[None].expand(b, rows, rows)
-        out = self._forward_layers(self.embed(input_ids), self.project_features(features), positions - 1, None, causal)
+        out = self._forward_layers(
+            self.embed(input_ids), self.project_features(features), positions - 1, past_kv, causal
+        )
         outputs = [out.hidden[:, first_row:]]
-        hidden, cache = out.aux[:, first_row:], out.kv
+        hidden, cache = out.aux[:, first_row:], append_kv(past_kv, out.kv)
         for j in range(1, steps):
             ids = torch.cat((input_ids[:, j:], input_ids[:, -1:].expand(b, min(j, t))), 1)[:, first_row:]
             visible = torch.cat([causal[:, first_row:]] + [eye] * j, dim=-1)
@@ -514,6 +526,39 @@ class Eagle3Drafter(nn.Module):
             hidden = out.aux
             cache = append_kv(cache, out.kv)
         return outputs
+
+    def target_to_draft_ids(self) -> torch.Tensor:
+        """[vocab_size] draft id of every target id, -1 where the draft vocabulary lacks it."""
+        out = torch.full((self.cfg.vocab_size,), -1, dtype=torch.long, device=self.d2t.device)
+        out[self.draft_to_target_ids()] = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
+        return out
+
+    def prompt_terms(self, batch: PromptBatch, depth: int, on_rows: RowsHook | None = None) -> PromptTerms:
+        """The training-time-test unroll over prompt windows (core/prompt.py), `depth` draft steps.
+
+        Row t consumes the feature of window token t and embeds token t + 1 (SGLang's draft extend);
+        step j of row t is draft step j of the chain anchored there and predicts token t + j + 2,
+        weight 0.8 ** j. Rows whose label is past the window, padding, or outside the draft
+        vocabulary are dropped."""
+        b, t1 = batch.token_ids.shape
+        t = t1 - 1
+        if on_rows is not None:
+            on_rows(torch.arange(b, device=batch.token_ids.device))
+        hidden = self.ttt_hidden(
+            batch.token_ids[:, 1:], batch.features, batch.positions[:, 1:], batch.feature_mask, steps=depth
+        )
+        to_draft = self.target_to_draft_ids()
+        rows = torch.arange(t, device=batch.token_ids.device)
+        parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for j, h in enumerate(hidden):
+            label_at = rows + j + 2  # window index of the token row t predicts at step j
+            inside = label_at <= t
+            labels = to_draft[batch.token_ids[:, label_at.clamp(max=t)]]  # [B, T]
+            keep = inside[None] & batch.real[:, label_at.clamp(max=t)] & (labels >= 0)
+            r_idx, t_idx = keep.nonzero(as_tuple=True)
+            weight = torch.full((r_idx.numel(),), EAGLE3_POSITION_DECAY**j, device=h.device)
+            parts.append((h[r_idx, t_idx], labels[r_idx, t_idx], weight, r_idx))
+        return PromptTerms(*(torch.cat(x) for x in zip(*parts)))
 
     # ------------------------------------------------------------------ DifferentiableDrafter
 

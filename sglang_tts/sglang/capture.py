@@ -176,3 +176,15 @@ def _pad_context(
         positions[i, : lengths[i]] = start + torch.arange(lengths[i])
         mask[i, : lengths[i]] = True
     return features, positions.to(device, non_blocking=True), mask.to(device, non_blocking=True)
+
+
+def prompt_row_ranges(extend_lens: Sequence[int], prefix_lens: Sequence[int], keep: int) -> list[tuple[int, int, int]]:
+    """Per request of a prefill (extend) batch, the rows of its flattened [sum(extend_lens)] tensors a
+    prompt window keeps (core/prompt.py): (lo, hi, start), rows lo .. hi - 1, the last `keep` of its
+    extend, whose first token sits at position `start`. Host ints only (SGLang's host lists)."""
+    out, pt = [], 0
+    for n, prefix in zip(extend_lens, prefix_lens):
+        n, take = int(n), min(int(n), keep)
+        out.append((pt + n - take, pt + n, int(prefix) + n - take))
+        pt += n
+    return out

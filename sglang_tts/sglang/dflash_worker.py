@@ -28,7 +28,7 @@ from sglang.srt.speculative.dflash_worker_v2 import DFlashWorkerV2
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
 from sglang_tts.sglang.binding import draft_kv_reader, make_runtime, target_embedding
-from sglang_tts.sglang.capture import build_canvas
+from sglang_tts.sglang.capture import build_canvas, prompt_row_ranges
 from sglang_tts.sglang.flags import tts_config_from_env
 
 logger = logging.getLogger(__name__)
@@ -105,19 +105,34 @@ class TTSDFlashWorker(DFlashWorkerV2):
 
     # --- SGLang entry points --------------------------------------------------------------------
 
+    def _forward_capturing(self, capture: bool, batch, **kwargs):
+        """SGLang's forward, keeping the target features it hands to the draft-KV writer when `capture`."""
+        self._capturing, self._captured_hidden = capture, None
+        try:
+            return super().forward_batch_generation(batch, **kwargs)
+        finally:
+            self._capturing = False
+
     def forward_batch_generation(self, batch, on_publish=None, grammar_barrier=None, pp_proxy_tensors=None):
         is_decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch or batch.forward_mode.is_idle())
+        kwargs = dict(on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors)
         if not is_decode:
-            if not batch.forward_mode.is_idle():
-                self.tts.bind_extend_batch(batch.reqs)  # absorbs its own failures
-            return super().forward_batch_generation(
-                batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
-            )
+            if batch.forward_mode.is_idle():
+                return super().forward_batch_generation(batch, **kwargs)
+            self.tts.bind_extend_batch(batch.reqs)  # absorbs its own failures
+            prompt = self.tts.config.prompt_updates
+            result = self._forward_capturing(prompt, batch, **kwargs)
+            if prompt:
+                with self.tts.failures.absorb("prompt_capture", [req.rid for req in batch.reqs]):
+                    self._remember_prompt_windows(batch, result)  # a missing window: no prompt update
+            self._captured_hidden = None
+            return result
         rids = [req.rid for req in batch.reqs]
         with self.tts.failures.absorb("barrier", rids):  # on failure: draft with the weights in place
             self.tts.before_draft(rids)
             self.tts.bind_batch(batch.reqs)
             self._after_publish()
+        self.tts.start_prompt_updates(batch.reqs)  # absorbs its own failures
         # Update (and check) rounds read lengths on the host; other rounds keep everything on the
         # device and leave the report to SGLang's host copy (on_verify_complete_cpu).
         capture = self.tts.distiller.next_round_submits() or self.tts.check_fallback
@@ -125,13 +140,7 @@ class TTSDFlashWorker(DFlashWorkerV2):
         # batches under tensor parallelism (it then gathers only the argmax).
         self._need_verify_logits = capture
         prefix_lens = batch.seq_lens.clone()  # [bs] positions of the blocks (verify moves seq_lens)
-        self._capturing, self._captured_hidden = True, None
-        try:
-            result = super().forward_batch_generation(
-                batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
-            )
-        finally:
-            self._capturing = False
+        result = self._forward_capturing(True, batch, **kwargs)
         with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
             self._after_verify(batch, rids, prefix_lens, result, capture)
         self._captured_hidden = None
@@ -161,6 +170,22 @@ class TTSDFlashWorker(DFlashWorkerV2):
             if helper is not None and getattr(self, "_use_fused_kv_materialize", False):
                 refresh_fused_kv_weights(helper, self.draft_model.layers)
             self._published_version = version
+
+    def _remember_prompt_windows(self, batch, result) -> None:
+        """Prompt-time adaptation: keep the target features of each request's last prompt positions
+        (the ones SGLang handed to the draft-KV writer) with their tokens, then the token after them
+        (core/prompt.py). The extend's ids are the prompt tokens (DFlash does not rotate them). Device
+        copies only."""
+        hidden = self._captured_hidden
+        extend_lens, prefix_lens = list(batch.extend_lens), list(batch.prefix_lens)
+        if hidden is None or hidden.shape[0] != sum(extend_lens) or batch.input_ids.shape[0] != hidden.shape[0]:
+            return
+        tails = result.next_token_ids
+        input_ids = batch.input_ids.to(tails.device, non_blocking=True)
+        ranges = prompt_row_ranges(extend_lens, prefix_lens, self.tts.config.prompt_positions)
+        for i, (req, (lo, hi, start)) in enumerate(zip(batch.reqs, ranges)):
+            ids = torch.cat((input_ids[lo:hi], tails[i : i + 1].to(input_ids.dtype))).long()
+            self.tts.remember_prompt(req, ids, hidden[lo:hi].clone(), start)
 
     def _past_kv(self, batch, ends: list[int]):
         return draft_kv_reader(

@@ -25,7 +25,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
 from sglang_tts.sglang.binding import draft_kv_reader, make_runtime, target_embedding
-from sglang_tts.sglang.capture import build_canvas, path_rows
+from sglang_tts.sglang.capture import build_canvas, path_rows, prompt_row_ranges
 from sglang_tts.sglang.flags import tts_config_from_env
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             with failures.absorb("barrier", rids):  # on failure: draft with the weights in place
                 self.tts.before_draft(rids)
                 self.tts.bind_batch(batch.reqs)
+            self.tts.start_prompt_updates(batch.reqs)  # absorbs its own failures
             if control is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         elif not batch.forward_mode.is_idle():
@@ -159,6 +160,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
         with self.tts.failures.absorb("prefill_anchor", [req.rid for req in batch.reqs]):
             self.tts.begin_prefill(batch.reqs)  # forgets earlier prefills that finished without decoding
             self._remember_prefill_anchors(batch, result)  # a missing anchor costs one round's canvas
+        if self.tts.config.prompt_updates:
+            with self.tts.failures.absorb("prompt_capture", [req.rid for req in batch.reqs]):
+                self._remember_prompt_windows(batch, result)  # a missing window: no prompt update
         return result
 
     # --- capture ----------------------------------------------------------------------------
@@ -180,6 +184,30 @@ class TTSEagleWorker(EAGLEWorkerV2):
         # A chunked prefill's intermediate chunk is overwritten by the chunk that ends the prompt.
         for r, req in enumerate(batch.reqs):
             self.tts.remember_anchor(req.rid, anchors[r])
+
+    def _remember_prompt_windows(self, batch, result) -> None:
+        """Prompt-time adaptation: keep the drafter's inputs at the last prompt positions of each
+        request (core/prompt.py). After SGLang's draft extend, `batch.input_ids` holds the rotated
+        ids (row j: the token after row j's; the last row of the final chunk: the sampled token), so
+        a window is the token at its first row, then the rotated ids of its rows. Device copies only."""
+        hidden = result.logits_output.hidden_states
+        if hidden is None or batch.forward_mode.is_idle():
+            return
+        extend_lens, prefix_lens = list(batch.extend_lens), list(batch.prefix_lens)
+        rotated = batch.input_ids
+        if hidden.shape[0] != sum(extend_lens) or rotated.shape[0] != hidden.shape[0]:
+            return  # not a full-capture prefill of these requests (e.g. a mixed batch)
+        ranges = prompt_row_ranges(extend_lens, prefix_lens, self.tts.config.prompt_positions)
+        pt = 0
+        for req, n, prefix, (lo, hi, start) in zip(batch.reqs, extend_lens, prefix_lens, ranges):
+            if lo > pt:
+                first = rotated[lo - 1 : lo]
+            else:
+                token = [req.get_fill_ids()[prefix]]
+                first = torch.tensor(token, dtype=rotated.dtype).to(rotated.device, non_blocking=True)
+            ids = torch.cat((first, rotated[lo:hi])).long()
+            self.tts.remember_prompt(req, ids, hidden[lo:hi].clone(), start)
+            pt += int(n)
 
     def _past_kv(self, batch, seq_lens):
         # Drafter K/V of every position before the anchor (index seq_len - 1 is recomputed).

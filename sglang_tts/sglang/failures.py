@@ -23,7 +23,17 @@ from collections.abc import Callable, Iterable, Iterator
 
 logger = logging.getLogger(__name__)
 
-SITES = ("barrier", "capture", "report", "prefill_anchor", "adapter_map", "adapter_hook", "controller")
+SITES = (
+    "barrier",
+    "capture",
+    "report",
+    "prefill_anchor",
+    "adapter_map",
+    "adapter_hook",
+    "controller",
+    "prompt_capture",
+    "prompt",
+)
 FAULT_SITES_ENV = "SGLANG_TTS_FAULT_SITES"
 
 

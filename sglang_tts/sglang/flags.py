@@ -46,6 +46,11 @@ def _str_list(text: str) -> tuple[str, ...]:
     return tuple(x.strip() for x in text.split(",") if x.strip())
 
 
+def _prefixes_or_all(text: str) -> tuple[str, ...]:
+    """Comma-separated name prefixes; 'all' is the empty prefix (every name)."""
+    return ("",) if text.strip().lower() == "all" else _str_list(text)
+
+
 def _policy_path(text: str) -> str | None:
     return None if text.strip().lower() == "none" else text
 
@@ -84,6 +89,33 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-trainable": ("trainable", {"type": _str_list, "help": "Comma-separated parameter name prefixes."}),
     "--tts-loss-backend": ("loss_backend", {"choices": ["auto", "naive", "chunked", "triton"], "help": "Loss kernel."}),
     "--tts-canvas": ("canvas", {"choices": ["accepted", "full"], "help": "Canvas positions the loss uses."}),
+    "--tts-prompt-adapt": (
+        "prompt_adapt",
+        {
+            "nargs": "?",
+            "const": "on",
+            "choices": ["off", "on", "only"],
+            "help": "Learn each request's prompt before drafting its answer ('on' when given alone; "
+            "'only': no verify-round updates).",
+        },
+    ),
+    "--tts-prompt-positions": (
+        "prompt_positions",
+        {"type": _positive_int, "help": "Prompt positions (the last N) a prompt update trains on."},
+    ),
+    "--tts-prompt-steps": ("prompt_steps", {"type": _positive_int, "help": "Optimizer steps per prompt update."}),
+    "--tts-prompt-lr": ("prompt_lr", {"type": float, "help": "Learning rate of the prompt update's steps."}),
+    "--tts-prompt-depth": (
+        "prompt_depth",
+        {"type": _positive_int, "help": "Tokens ahead each prompt position predicts (EAGLE-3 unroll, DFlash slots)."},
+    ),
+    "--tts-prompt-trainable": (
+        "prompt_trainable",
+        {
+            "type": _prefixes_or_all,
+            "help": "Parameter name prefixes prompt steps train ('all': every one; default fc).",
+        },
+    ),
     "--tts-log-interval": ("log_interval", {"type": int, "help": "Log a TTS summary every N rounds (0: off)."}),
     "--tts-allow-weight-digest": (
         "allow_weight_digest",

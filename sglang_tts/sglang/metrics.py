@@ -43,6 +43,9 @@ SCALAR_KEYS = (
     "tts_fallback_mismatches",
     "tts_adapter_capped",
     "tts_failures",
+    "tts_prompt_positions",
+    "tts_prompt_steps",
+    "tts_prompt_ms",
 )
 ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
@@ -118,6 +121,9 @@ def write_request_info(
         "tts_fallback_mismatches": counters.fallback_mismatches,
         "tts_adapter_capped": counters.adapter_capped,
         "tts_failures": counters.failures,
+        "tts_prompt_positions": counters.prompt_positions,
+        "tts_prompt_steps": counters.prompt_steps,
+        "tts_prompt_ms": round(counters.prompt_ms, 3),
     }
     if digest is not None:
         if counters.digest_start is None:
@@ -241,6 +247,21 @@ class SchedulerMetrics:
             "Per-request entries TTS holds (anchors, counters, adapter slots): bounded by the running requests",
             multiprocess_mode="mostrecent",
         )
+        self.prompt_updates = Counter("sglang_tts:prompt_updates_total", "Prompt updates applied (prompt adaptation)")
+        self.prompt_positions = Counter(
+            "sglang_tts:prompt_positions_total", "Prompt positions that kept prompt updates trained on"
+        )
+        self.prompt_update_seconds = Histogram(
+            "sglang_tts:prompt_update_seconds",
+            "Time of one prompt update (all its steps)",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30),
+        )
+        self.prompt_loss = Gauge(
+            "sglang_tts:last_prompt_loss",
+            "Prompt loss of the last kept prompt update, before its first step and before its last",
+            ["step"],
+            multiprocess_mode="mostrecent",
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
@@ -260,6 +281,19 @@ class SchedulerMetrics:
             self.kl.set(stats.last_kl_teacher)
         if skipped:
             self.skipped.inc(skipped)
+        self.wait_seconds.inc(max(stats.wait_ms_total - self._last_wait_ms, 0.0) / 1000.0)
+        self._last_wait_ms = stats.wait_ms_total
+
+    def observe_prompt_update(self, applied: int, skipped: int, ms: float, positions: int, stats) -> None:
+        if applied:
+            self.prompt_updates.inc(applied)
+            self.prompt_positions.inc(positions)
+            self.prompt_loss.labels(step="first").set(stats.last_prompt_loss)
+            self.prompt_loss.labels(step="last").set(stats.last_prompt_loss_after)
+        if skipped:
+            self.skipped.inc(skipped)
+        if applied or skipped:
+            self.prompt_update_seconds.observe(ms / 1000.0 / max(applied + skipped, 1))
         self.wait_seconds.inc(max(stats.wait_ms_total - self._last_wait_ms, 0.0) / 1000.0)
         self._last_wait_ms = stats.wait_ms_total
 

@@ -22,6 +22,7 @@ from sglang_tts.core.adapters import SlotTable
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import make_executor
+from sglang_tts.core.prompt import PromptWindow, collate_windows, cut_window
 from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.scope import make_scope
 from sglang_tts.sglang import metrics as tts_metrics
@@ -57,6 +58,9 @@ class RequestCounters:
     fallback_mismatches: int = 0
     digest_start: str | None = None
     adapter_capped: int = 0  # 1: no adapter slot was free, the request drafted with the frozen drafter
+    prompt_positions: int = 0  # prompt positions a kept prompt update trained on for this request
+    prompt_steps: int = 0
+    prompt_ms: float = 0.0  # run time of the prompt update(s) that included this request
     failures: int = 0  # TTS work that failed in rounds of this request (skipped; output unaffected)
 
 
@@ -88,6 +92,11 @@ class TTSRuntime:
         self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
+        # Prompt-time adaptation: each request's captured prompt window (with a weak reference to
+        # its Req) from its prefill until its first decode round submits it; requests prefilled in
+        # chunks keep theirs across the decode rounds between chunks.
+        self.prompt_windows: dict[str, tuple[PromptWindow, weakref.ref]] = {}
+        self._pending_prompt: dict[str, int] = {}  # request -> positions of the prompt update in flight
         self._unreported: deque[tuple[list, dict[str, str]]] = deque(maxlen=4)  # see verified()
         self._last_verify_version = -1
         self.metrics = None
@@ -110,8 +119,14 @@ class TTSRuntime:
         if self.slots is not None:
             slot_mb = self.drafter.bank.slot_nbytes() / 2**20
             adapters = f", r {cfg.adapter_rank}, {cfg.max_adapted_requests} slots of {slot_mb:.1f} MB (+2x Adam state)"
+        prompt = ""
+        if cfg.prompt_updates:
+            prompt = (
+                f", prompt adaptation {cfg.prompt_adapt} ({cfg.prompt_positions} positions, "
+                f"{cfg.prompt_steps} steps at lr {cfg.prompt_lr:g}, depth {cfg.prompt_depth})"
+            )
         return (
-            f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}, "
+            f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}{prompt}, "
             f"{len(self.distiller.train_params)} trainable tensors"
         )
 
@@ -124,6 +139,10 @@ class TTSRuntime:
         live.update(req.rid for reqs, _ in self._unreported for req in reqs)  # their report is still due
         for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
             self._forget(rid)
+        for rid, (_, ref) in list(self.prompt_windows.items()):
+            req = ref()
+            if req is None or req.finished():  # never reached a decode round: its prompt is not learned
+                self.prompt_windows.pop(rid, None)
         self._prefilled.clear()
         if self.slots is not None:
             for slot in self.slots.retain(live):  # finished, aborted or retracted: the adapter goes
@@ -133,6 +152,42 @@ class TTSRuntime:
         self._absorbing(self.distiller.barrier)
         if self.metrics is not None:
             self.metrics.tracked_requests.set(self.num_tracked())
+
+    def remember_prompt(self, req, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
+        """A prefill computed the drafter's inputs at positions start .. start + T - 1 of `req`:
+        token_ids [T + 1] (the tokens at start .. start + T), features [T, F] (their target features,
+        the caller's own copy). Kept, cut to the last --tts-prompt-positions positions, until the
+        request's first decode round (start_prompt_updates); chunks of one prompt concatenate."""
+        keep = self.config.prompt_positions
+        held = self.prompt_windows.get(req.rid)
+        if held is not None and held[1]() is req:
+            window = held[0].extended(token_ids, features, start, keep)
+        else:
+            window = cut_window(PromptWindow(req.rid, token_ids, features, start), keep)
+        self.prompt_windows[req.rid] = (window, weakref.ref(req))
+
+    def start_prompt_updates(self, reqs) -> None:
+        """After this round's barrier and adapter binding: one prompt update over the windows of the
+        batch's requests that have one (their first decode round). With per-request adapters, only
+        requests holding a slot train (each its own adapter). Absorbs its own failures."""
+        if not self.prompt_windows:
+            return
+        ready = [req.rid for req in reqs if req.rid in self.prompt_windows]
+        if not ready:
+            return
+        windows = [self.prompt_windows.pop(rid)[0] for rid in ready]
+        with self.failures.absorb("prompt", ready):
+            slots = None
+            if self.slots is not None:
+                slot_of = self.slots.slot_of
+                windows = [w for w in windows if w.request_id in slot_of]
+                slots = [slot_of[w.request_id] for w in windows]
+            if not windows:
+                return
+            batch = collate_windows(windows, self.distiller.device, slots)
+            self.scope.contributed(batch.request_ids)
+            if self._absorbing(lambda: self.distiller.submit_prompt(batch)):
+                self._pending_prompt = {w.request_id: w.num_positions for w in windows}
 
     def begin_prefill(self, reqs) -> None:
         """Before a prefill batch's anchors are remembered: forget the requests of earlier prefills
@@ -148,7 +203,7 @@ class TTSRuntime:
         """Per-request entries held (anchors, counters, adapter slots and capped requests): bounded
         by the running requests plus one prefill batch."""
         slots = len(self.slots.slot_of) + len(self.slots._capped) if self.slots is not None else 0
-        return len(self.anchor_features) + len(self.requests) + len(self._prefilled) + slots
+        return len(self.anchor_features) + len(self.requests) + len(self._prefilled) + len(self.prompt_windows) + slots
 
     def _forget(self, rid: str) -> None:
         self.anchor_features.pop(rid, None)
@@ -156,6 +211,7 @@ class TTSRuntime:
         self.context_lengths.pop(rid, None)
         self.requests.pop(rid, None)
         self._prefilled.pop(rid, None)
+        self.prompt_windows.pop(rid, None)
 
     def bind_extend_batch(self, reqs) -> None:
         """Per-request adapters, before a prefill (extend) batch's draft forward: map its requests'
@@ -342,6 +398,7 @@ class TTSRuntime:
         requests whose canvas it trained on."""
         stats = self.distiller.stats
         before = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
+        prompt_before = (stats.num_prompt_updates, stats.num_skipped_prompt_updates, stats.prompt_ms_total)
         resets, failed_publishes = stats.num_resets, stats.num_failed_publishes
         try:
             out = fn()
@@ -350,6 +407,14 @@ class TTSRuntime:
                 self.metrics.observe_publishing(
                     stats.num_resets - resets, stats.num_failed_publishes - failed_publishes
                 )
+        prompt_after = (stats.num_prompt_updates, stats.num_skipped_prompt_updates, stats.prompt_ms_total)
+        if prompt_after != prompt_before:
+            self._prompt_done(
+                prompt_after[0] - prompt_before[0],
+                prompt_after[1] - prompt_before[1],
+                prompt_after[2] - prompt_before[2],
+            )
+            before = (before[0], before[1] + prompt_after[1] - prompt_before[1], before[2])  # skips counted there
         after = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
         if after != before and self._pending_rids:
             for rid in self._pending_rids:
@@ -361,6 +426,22 @@ class TTSRuntime:
                 self.metrics.observe_update(after[0] - before[0], after[1] - before[1], after[2] - before[2], stats)
             self._pending_rids = []
         return out
+
+    def _prompt_done(self, kept: int, skipped: int, ms: float) -> None:
+        """A prompt update finished: credit its requests (positions and steps only if it was kept)."""
+        steps = self.config.prompt_steps if kept else 0
+        for rid, positions in self._pending_prompt.items():
+            c = self.counters(rid)
+            c.prompt_ms += ms
+            if kept:
+                c.prompt_positions += positions
+                c.prompt_steps += steps
+            c.num_skipped_updates += skipped
+        if self.metrics is not None:
+            self.metrics.observe_prompt_update(
+                kept, skipped, ms, sum(self._pending_prompt.values()) if kept else 0, self.distiller.stats
+            )
+        self._pending_prompt = {}
 
     @torch.no_grad()
     def _check_fallback(self, canvas: Canvas) -> None:

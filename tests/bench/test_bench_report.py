@@ -16,6 +16,7 @@ from sglang_tts.bench.report import (
     concurrency_tables,
     losses,
     position_table,
+    prompt_ttft_table,
     reference_tables,
     repetition_sentence,
     throughput_table,
@@ -85,6 +86,20 @@ def test_position_table_lists_buckets_per_configuration():
     text = position_table(aggregate(full_records(), full_configs(("frozen",)), bucket=20))
     # pooled over both datasets (identical frozen records): 21 of 11 rounds -> 42 tokens / 22 rounds
     assert _row(text, "40-59") == ["40-59", "1.91 (22)", "1.91 (22)"]
+
+
+def test_prompt_adaptation_and_ttft_are_tabled_only_when_recorded():
+    assert prompt_ttft_table(aggregate(full_records(), full_configs(), bucket=20)) is None
+    configs = full_configs(("frozen", "tts-s1"))
+    frozen = [record("eagle3:frozen", "d", [1] * 10, 1.0, ttft_s=t, prompt_id=f"d-{i}") for i, t in enumerate((1, 2))]
+    tts = [
+        record("eagle3:tts-s1", "d", [2] * 5, 1.0, ttft_s=t, tts_prompt_positions=512, tts_prompt_ms=3000.0,
+               prompt_id=f"d-{i}")
+        for i, t in enumerate((1.5, 2.5))
+    ]  # fmt: skip
+    text = prompt_ttft_table(aggregate(frozen + tts, configs, bucket=8))
+    assert _row(text, "eagle3:frozen") == ["eagle3:frozen", "0", "-", "1.50"]
+    assert _row(text, "eagle3:tts-s1") == ["eagle3:tts-s1", "1024", "3.0", "2.00"]
 
 
 def test_write_plots_writes_every_plot_as_png(tmp_path):

@@ -293,6 +293,37 @@ def test_generate_request_posts_json_and_names_the_servers_refusal():
             send_generate(base, BenchPrompt("p1", "d", input_ids=(0,)), sampling, False, timeout=30)
 
 
+class _FakeStreamingGenerate(_QuietHandler):
+    """SGLang's streamed /generate: server-sent chunks carrying the output so far, the first one after a
+    delay (the prefill), then [DONE]."""
+
+    def do_POST(self):  # noqa: N802 - BaseHTTPRequestHandler's name
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["stream"] is True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        time.sleep(0.2)
+        for n in (1, 2, 3):
+            meta = {"completion_tokens": n, "prompt_tokens": 3, "tts_prompt_positions": 3, "tts_prompt_ms": 4.5}
+            chunk = {"text": "abc"[:n], "output_ids": [7, 8, 9][:n], "meta_info": meta}
+            self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            self.wfile.flush()
+            time.sleep(0.05)
+        self.wfile.write(b"data: [DONE]\n\n")
+
+
+def test_a_streamed_generate_request_records_its_time_to_first_token():
+    sampling = SamplingSettings(max_new_tokens=3)
+    with _serving(_FakeStreamingGenerate) as base:
+        response = send_generate(base, BenchPrompt("p0", "d", input_ids=(3, 4, 5)), sampling, True, 30, stream=True)
+    assert response.completion_tokens == 3 and response.text == "abc"
+    assert 0.2 <= response.ttft_s < 0.25  # the first chunk, not the last
+    record = record_from_response("tts-s2", BenchPrompt("p0", "d"), 0, response, 0.4)
+    assert record.ttft_s == response.ttft_s
+    assert record.tts_prompt_positions == 3 and record.tts_prompt_ms == 4.5
+
+
 def test_openai_request_carries_custom_params_and_reads_meta_info():
     with _serving(_FakeSGLang) as base:
         prompt = BenchPrompt("p0", "d", messages=({"role": "user", "content": "hi"},))

@@ -14,6 +14,7 @@ from torch import nn
 
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.loss import eagle3_weights
+from sglang_tts.core.prompt import PromptBatch, PromptTerms
 
 VOCAB = 32
 HIDDEN = 16
@@ -49,6 +50,18 @@ class TinyDrafter(nn.Module):
         x = x + self.attn_out(F.scaled_dot_product_attention(q, k, v, is_causal=True).squeeze(1))
         x = x + self.mlp(x)
         return self.norm(x)
+
+    def prompt_terms(self, batch: PromptBatch, depth: int, on_rows=None) -> PromptTerms:
+        """Row t (feature of window token t, embedding of token t + 1) predicts token t + 2."""
+        if on_rows is not None:
+            on_rows(torch.arange(batch.batch_size))
+        ids = batch.token_ids
+        x = self.inp(torch.cat([self.embed(ids[:, 1:-1]), self.fc(batch.features[:, :-1])], dim=-1))
+        hidden = self.norm(x + self.mlp(x))
+        keep = batch.real[:, 2:]
+        rows = torch.arange(batch.batch_size)[:, None].expand_as(keep)
+        labels = ids[:, 2:]
+        return PromptTerms(hidden[keep], labels[keep], torch.ones(int(keep.sum())), rows[keep])
 
     def lm_head_weight(self) -> torch.Tensor:
         return self.lm_head.weight

@@ -98,3 +98,66 @@ def test_skipped_updates_and_failed_publishes_reach_prometheus(monkeypatch, scop
     assert registry.get_sample_value("sglang_tts:updates_total") == stats.num_updates == 4
     assert registry.get_sample_value("sglang_tts:failed_publishes_total") == stats.num_failed_publishes
     assert runtime.counters("a").num_skipped_updates == 4
+
+
+# --- prompt-time adaptation ---------------------------------------------------------------------
+
+
+def _prompt(runtime: TTSRuntime, req, n: int, start: int = 0, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, core.VOCAB, (n + 1,), generator=gen)
+    runtime.remember_prompt(req, ids, torch.randn(n, core.FEATURES, generator=gen), start)
+
+
+def test_a_prompt_window_waits_for_its_first_decode_round_then_trains(monkeypatch):
+    runtime, registry = _runtime(monkeypatch, prompt_adapt="only", prompt_positions=16, prompt_steps=3)
+    a, b = _Req("a"), _Req("b")
+    runtime.begin_prefill([a, b])
+    _prompt(runtime, a, 40)  # cut to the last 16 positions
+    _prompt(runtime, b, 10, seed=1)
+    assert runtime.prompt_windows["a"][0].num_positions == 16
+    runtime.before_draft(["a", "b"])
+    runtime.start_prompt_updates([a, b])  # sync: trained at once, published at the next barrier
+    assert not runtime.prompt_windows
+    runtime.before_draft(["a", "b"])
+    stats = runtime.distiller.stats
+    assert stats.num_prompt_updates == 1 and stats.prompt_positions_total == 26 and stats.weight_version == 1
+    assert runtime.counters("a").prompt_positions == 16 and runtime.counters("b").prompt_positions == 10
+    assert runtime.counters("a").prompt_steps == 3 and runtime.counters("a").prompt_ms > 0
+    assert registry.get_sample_value("sglang_tts:prompt_updates_total") == 1
+    assert registry.get_sample_value("sglang_tts:prompt_positions_total") == 26
+    assert registry.get_sample_value("sglang_tts:last_prompt_loss", {"step": "last"}) < registry.get_sample_value(
+        "sglang_tts:last_prompt_loss", {"step": "first"}
+    )
+
+
+def test_a_chunked_prompt_keeps_its_window_across_decode_rounds_of_others(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=64)
+    long, other = _Req("long"), _Req("other")
+    runtime.begin_prefill([long])
+    _prompt(runtime, long, 20, start=0)  # first chunk
+    runtime.before_draft(["other"])  # a decode round of another request between the chunks
+    runtime.start_prompt_updates([other])
+    assert "long" in runtime.prompt_windows
+    runtime.begin_prefill([long])
+    _prompt(runtime, long, 12, start=20, seed=2)  # the chunk that ends the prompt
+    assert runtime.prompt_windows["long"][0].num_positions == 32
+    runtime.before_draft(["other", "long"])
+    runtime.start_prompt_updates([other, long])
+    runtime.before_draft(["other", "long"])  # the next barrier collects it
+    assert runtime.distiller.stats.num_prompt_updates == 1
+    assert runtime.counters("long").prompt_positions == 32 and runtime.counters("other").prompt_positions == 0
+
+
+def test_prompt_windows_of_requests_that_never_decode_are_dropped(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=8)
+    for batch_index in range(300):
+        reqs = [_Req(f"b{batch_index}-{i}") for i in range(3)]
+        runtime.begin_prefill(reqs)
+        for req in reqs:
+            _prompt(runtime, req, 8)
+        reqs[0].done = True  # finished at prefill
+        del reqs, req  # the others were aborted: SGLang dropped them
+        runtime.before_draft([])
+        assert len(runtime.prompt_windows) == 0
+    assert runtime.distiller.stats.num_prompt_updates == 0

@@ -119,6 +119,29 @@ def test_later_steps_from_first_row_equal_the_full_unroll(drafter_and_config):
         drafter.ttt_hidden(ids, feats, positions, rows, steps, first_row=length)
 
 
+def test_an_unroll_after_past_kv_equals_the_rows_of_the_full_unroll(drafter_and_config):
+    """Earlier rows given as detached K/V (a prompt in SGLang's draft cache) change nothing: the later
+    rows of every step are those of one unroll over the whole sequence."""
+    drafter, _ = drafter_and_config
+    gen = torch.Generator().manual_seed(2)
+    b, length, steps, split = 2, 12, 3, 7
+    ids = torch.randint(0, 1024, (b, length), generator=gen)
+    feats = torch.randn(b, length, drafter.fc.in_features, generator=gen)
+    positions = (torch.arange(length) + 1).expand(b, length)
+    with torch.no_grad():
+        full = drafter.ttt_hidden(ids, feats, positions, steps=steps)
+        past = drafter.kv_for_context(ids[:, :split], feats[:, :split], positions[:, :split])
+        rest = drafter.ttt_hidden(ids[:, split:], feats[:, split:], positions[:, split:], steps=steps, past_kv=past)
+        masked = torch.ones(b, split, dtype=torch.bool)
+        masked[:, :2] = False  # masked past entries are not seen
+        partial = drafter.ttt_hidden(
+            ids[:, split:], feats[:, split:], positions[:, split:], steps=steps, past_kv=past, past_mask=masked
+        )
+    for j in range(steps):
+        assert torch.allclose(rest[j], full[j][:, split:], atol=1e-5), j
+    assert not torch.allclose(partial[0], rest[0], atol=1e-5)
+
+
 def test_loss_and_eval_skip_only_unlabelled_rows(drafter_and_config, tiny_target, sequences, features, monkeypatch):
     """The unroll skips rows before the first labelled one; loss, gradients and held-out metrics are those of
     the full unroll."""
