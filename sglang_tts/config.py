@@ -11,6 +11,7 @@ SCOPES = ("batch", "request", "global")
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
 PromptAdapt = Literal["off", "on", "only"]
 PROMPT_ADAPT_MODES = ("off", "on", "only")
+PROMPT_LR_FACTOR = 3.0  # default prompt_lr / the update's learning rate (see TTSConfig.prompt_lr)
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
 
@@ -67,8 +68,14 @@ class TTSConfig:
     # proved itself on the long-context workload, docs/prompt-adaptation.md).
     prompt_adapt: PromptAdapt = "off"
     prompt_positions: int = 512
+    # Prompts whose prefill computed fewer positions than this are not learned: a short prompt (a
+    # question, a one-line instruction) teaches little and the step still moves the drafter: on short
+    # reasoning prompts prompt adaptation cost 2% of acceptance (docs/prompt-adaptation.md).
+    prompt_min_positions: int = 256
     prompt_steps: int = 4  # optimizer steps per prompt update
-    prompt_lr: float = 3e-4  # Adam learning rate of those steps (verify updates keep `lr`)
+    # Adam learning rate of those steps; None: 3x the rate the trained parameters update at (`lr`, or
+    # `adapter_lr` for per-request low-rank adapters), i.e. 3e-4 and 3e-3 by default.
+    prompt_lr: float | None = None
     # EAGLE-3: draft steps of the training-time-test unroll over the prompt (row t predicts t+2..t+1+depth);
     # DFlash: block slots trained per anchor (at most block_size - 1).
     prompt_depth: int = 3
@@ -136,6 +143,7 @@ class TTSConfig:
             )
         for flag, value in (
             ("--tts-prompt-positions", self.prompt_positions),
+            ("--tts-prompt-min-positions", self.prompt_min_positions),
             ("--tts-prompt-steps", self.prompt_steps),
             ("--tts-prompt-depth", self.prompt_depth),
         ):
@@ -145,7 +153,7 @@ class TTSConfig:
             raise TTSConfigError(
                 f"--tts-prompt-positions {self.prompt_positions} is above 65536 (memory grows with it)"
             )
-        if not (0.0 < self.prompt_lr <= 1e-1):
+        if self.prompt_lr is not None and not (0.0 < self.prompt_lr <= 1e-1):
             raise TTSConfigError(f"--tts-prompt-lr must be in (0, 0.1], got {self.prompt_lr!r}")
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
@@ -166,6 +174,12 @@ class TTSConfig:
     def verify_updates(self) -> bool:
         """Do verify rounds update the drafter? (not frozen, not prompt adaptation alone)"""
         return not self.freeze and self.prompt_adapt != "only"
+
+    @property
+    def prompt_step_lr(self) -> float:
+        """The learning rate of prompt steps (prompt_lr, or 3x `lr`: the runtime passes the adapters'
+        rate as `lr` with per-request adapters)."""
+        return self.prompt_lr if self.prompt_lr is not None else PROMPT_LR_FACTOR * self.lr
 
     @property
     def prompt_updates(self) -> bool:

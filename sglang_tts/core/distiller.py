@@ -17,9 +17,10 @@ When an update is due (the schedule is deterministic, independent of timing):
   barrier(force=True) applies a pending update now (end of a scope, tests, checkpoints).
 
 Prompt updates (core/prompt.py, --tts-prompt-adapt): submit_prompt(batch) runs `prompt_steps`
-optimizer steps of the drafter's own objective on prompt windows, at `prompt_lr`, moving only the
-`prompt_trainable` parameters; in the executor like any update, rolled back the same way, and
-published by the barrier on the same schedule. Counted apart (stats.num_prompt_updates, ...).
+optimizer steps of the drafter's own objective on prompt windows, at `prompt_step_lr`, moving only
+the `prompt_trainable` parameters, with an optimizer state of their own (fresh per prompt update);
+in the executor like any update, rolled back the same way, and published by the barrier on the same
+schedule. Counted apart (stats.num_prompt_updates, ...).
 
 Weight versions. The drafter is trained in a private copy; the serving copy is written only
 inside barrier() (reset() publishes through barrier() too), and only while no update is running
@@ -434,14 +435,17 @@ class Distiller:
         forward: Callable[[int], tuple[torch.Tensor, float] | None],
         fault: str | None,
         what: str = "",
+        optimizer: torch.optim.Optimizer | None = None,
     ) -> tuple[float, float, float] | UpdateOutcome:
         """`steps` optimizer steps on forward(step) -> (loss, a value kept from step 0), with the fault
         injections, finite checks and clipping every update shares. Returns (the loss before the first
         step, before the last, step 0's value), or the outcome that ends the update early: skipped (the
-        caller rolls back), or empty when forward returns None (nothing to train on)."""
+        caller rolls back), or empty when forward returns None (nothing to train on). `optimizer`:
+        default the updates' own."""
+        optimizer = self.optimizer if optimizer is None else optimizer
         first = last = extra = math.nan
         for step in range(steps):
-            self.optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=True)
             with torch.enable_grad():
                 out = forward(step)
                 if out is None:
@@ -460,10 +464,10 @@ class Distiller:
             grad_norm = self._clip_gradients()
             if not math.isfinite(grad_norm):
                 return UpdateOutcome("skipped", reason=f"non-finite {what}gradient at step {step}")
-            self.optimizer.step()
+            optimizer.step()
             if fault == "raise" and step == 0:
                 raise RuntimeError("injected fault after the optimizer step")
-        self.optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)
         if not self._weights_finite(fault):
             return UpdateOutcome("skipped", reason=f"non-finite weights after the {what}step")
         return first, last, extra
@@ -490,10 +494,11 @@ class Distiller:
         trained copy is the update's own)."""
         drafter, cfg = self.trained_drafter, self.config
         head_delta = drafter.prompt_head_delta(batch) if hasattr(drafter, "prompt_head_delta") else None
-        saved_lr = [group["lr"] for group in self.optimizer.param_groups]
-        for group in self.optimizer.param_groups:
-            group["lr"] = cfg.prompt_lr
         moved = set(self._prompt_params)
+        # Their own optimizer, fresh per prompt update: Adam's second moment decays over ~1,000 steps, so
+        # moments shared with the verify updates would carry the prompt loss's larger gradients into
+        # them and damp their steps on these parameters for hundreds of rounds.
+        optimizer = self._make_optimizer([p for i, p in enumerate(self.train_params) if i in moved], cfg.prompt_step_lr)
         held = [p for i, p in enumerate(self.train_params) if i not in moved]
         for p in held:
             p.requires_grad_(False)
@@ -505,10 +510,8 @@ class Distiller:
                     return None  # no prompt position carries a label
                 return prompt_loss(terms, drafter.lm_head_weight(), head_delta), math.nan
 
-            ran = self._run_steps(cfg.prompt_steps, forward, fault, "prompt ")
+            ran = self._run_steps(cfg.prompt_steps, forward, fault, "prompt ", optimizer)
         finally:
-            for group, lr in zip(self.optimizer.param_groups, saved_lr):
-                group["lr"] = lr
             for p in held:
                 p.requires_grad_(True)
         if isinstance(ran, UpdateOutcome):
@@ -551,15 +554,20 @@ class Distiller:
             self._weights_cache[length] = weights.to(self.device, torch.float32)
         return self._weights_cache[length]
 
-    def _make_optimizer(self) -> torch.optim.Optimizer:
+    def _make_optimizer(
+        self, params: list[nn.Parameter] | None = None, lr: float | None = None
+    ) -> torch.optim.Optimizer:
+        """config.optimizer over `params` (default: every trained parameter) at `lr` (default config.lr)."""
         cfg = self.config
+        params = self.train_params if params is None else params
+        lr = cfg.lr if lr is None else lr
         if cfg.optimizer == "sgd":
-            return torch.optim.SGD(self.train_params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+            return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
         cls = torch.optim.Adam if cfg.optimizer == "adam" else torch.optim.AdamW
         # The fused (single-kernel) Adam: on CPU 4.6 ms per step for 10M weights against 28.8 ms for
         # the default per-tensor loop (torch uses foreach/fused by default only on CUDA).
         fused = True if self.device.type in ("cuda", "cpu") else None
-        return cls(self.train_params, lr=cfg.lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=fused)
+        return cls(params, lr=lr, betas=cfg.adam_betas, weight_decay=cfg.weight_decay, fused=fused)
 
     # --- bookkeeping (serving thread) ---------------------------------------------------------
 

@@ -103,6 +103,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "prompt_positions",
         {"type": _positive_int, "help": "Prompt positions (the last N) a prompt update trains on."},
     ),
+    "--tts-prompt-min-positions": (
+        "prompt_min_positions",
+        {"type": _positive_int, "help": "Prompts with fewer computed positions are not learned."},
+    ),
     "--tts-prompt-steps": ("prompt_steps", {"type": _positive_int, "help": "Optimizer steps per prompt update."}),
     "--tts-prompt-lr": ("prompt_lr", {"type": float, "help": "Learning rate of the prompt update's steps."}),
     "--tts-prompt-depth": (

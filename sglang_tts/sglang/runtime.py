@@ -123,7 +123,7 @@ class TTSRuntime:
         if cfg.prompt_updates:
             prompt = (
                 f", prompt adaptation {cfg.prompt_adapt} ({cfg.prompt_positions} positions, "
-                f"{cfg.prompt_steps} steps at lr {cfg.prompt_lr:g}, depth {cfg.prompt_depth})"
+                f"{cfg.prompt_steps} steps at lr {cfg.prompt_step_lr:g}, depth {cfg.prompt_depth})"
             )
         return (
             f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}{prompt}, "
@@ -168,14 +168,16 @@ class TTSRuntime:
 
     def start_prompt_updates(self, reqs) -> None:
         """After this round's barrier and adapter binding: one prompt update over the windows of the
-        batch's requests that have one (their first decode round). With per-request adapters, only
-        requests holding a slot train (each its own adapter). Absorbs its own failures."""
+        batch's requests that have one (their first decode round) of at least --tts-prompt-min-positions
+        positions; the others are dropped. With per-request adapters, only requests holding a slot
+        train (each its own adapter). Absorbs its own failures."""
         if not self.prompt_windows:
             return
         ready = [req.rid for req in reqs if req.rid in self.prompt_windows]
         if not ready:
             return
         windows = [self.prompt_windows.pop(rid)[0] for rid in ready]
+        windows = [w for w in windows if w.num_positions >= self.config.prompt_min_positions]
         with self.failures.absorb("prompt", ready):
             slots = None
             if self.slots is not None:

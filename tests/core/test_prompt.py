@@ -186,8 +186,9 @@ def test_a_prompt_update_teaches_the_drafter_its_prompt_and_publishes_at_the_bar
     changed = [n for n, p in drafter.trainable_named_parameters() if not torch.equal(p, before[n])]
     assert changed, "the serving drafter must hold the published prompt-adapted weights"
     assert _greedy_hits(drafter, batch) > hits_before + 0.3
-    # the optimizer's learning rate is back at the verify updates' value
+    # verify updates keep their own learning rate and optimizer state
     assert all(group["lr"] == distiller.config.lr for group in distiller.optimizer.param_groups)
+    assert not distiller.optimizer.state
 
 
 def test_by_default_prompt_steps_move_only_the_feature_projection(eagle3_path):
@@ -201,6 +202,13 @@ def test_by_default_prompt_steps_move_only_the_feature_projection(eagle3_path):
     changed = {n for n, p in drafter.trainable_named_parameters() if not torch.equal(p, before[n])}
     assert changed == {n for n in before if n.startswith("fc.")}
     assert all(p.requires_grad for p in distiller.train_params)  # the others train again in verify updates
+    assert not distiller.optimizer.state  # prompt steps keep their Adam moments to themselves
+
+
+def test_prompt_steps_default_to_three_times_the_update_rate():
+    assert TTSConfig().prompt_step_lr == pytest.approx(3e-4)
+    assert TTSConfig(lr=1e-3).prompt_step_lr == pytest.approx(3e-3)  # per-request adapters: the runtime's lr
+    assert TTSConfig(prompt_lr=5e-5).prompt_step_lr == 5e-5
 
 
 def test_prompt_trainable_that_selects_nothing_is_refused_at_start(eagle3_path):

@@ -18,15 +18,20 @@ from sglang_tts.testing.reference import generate_ids, hf_greedy
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5]]
 NEW_TOKENS = 80
 CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+PROMPT = ["--tts-prompt-adapt", "on", "--tts-prompt-min-positions", "1"]  # these prompts are 6-10 tokens
 SETUPS = {
     # per-request adapters: the adapter map and the hooks inside SGLang's draft forward run too
     # with prompt adaptation: the prompt windows at prefill and the prompt update's submission
     "eagle3-request": (
         "eagle3",
-        [*CHAIN, "--tts-scope", "request", "--tts-adapter-lr", "1e-2", "--tts-prompt-adapt", "on"],
+        [*CHAIN, "--tts-scope", "request", "--tts-adapter-lr", "1e-2", *PROMPT],
         "barrier:5,capture:4,report:7,prefill_anchor:1,adapter_map:1,adapter_hook:9,prompt_capture:1",
     ),
-    "dflash-batch": ("dflash", ["--tts-prompt-adapt", "on"], "barrier:5,capture:4,report:7,prompt:1"),
+    "dflash-batch": (
+        "dflash",
+        PROMPT,
+        "barrier:5,capture:4,report:7,prompt:1",
+    ),
 }
 
 

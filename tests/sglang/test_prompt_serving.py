@@ -21,6 +21,7 @@ NEW_TOKENS = 48
 CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
 DETAILS = {"tts_return_accept_lengths": True, "tts_return_weight_digest": True}
 PROMPT_FAST = ["--tts-prompt-steps", "20", "--tts-prompt-lr", "1e-2", "--tts-update-stride", "2"]
+PROMPT_FAST += ["--tts-prompt-min-positions", "8"]  # these prompts are ~90 tokens
 
 
 def _args(drafter, *extra):

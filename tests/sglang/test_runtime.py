@@ -110,7 +110,9 @@ def _prompt(runtime: TTSRuntime, req, n: int, start: int = 0, seed: int = 0) -> 
 
 
 def test_a_prompt_window_waits_for_its_first_decode_round_then_trains(monkeypatch):
-    runtime, registry = _runtime(monkeypatch, prompt_adapt="only", prompt_positions=16, prompt_steps=3)
+    runtime, registry = _runtime(
+        monkeypatch, prompt_adapt="only", prompt_positions=16, prompt_steps=3, prompt_min_positions=1
+    )
     a, b = _Req("a"), _Req("b")
     runtime.begin_prefill([a, b])
     _prompt(runtime, a, 40)  # cut to the last 16 positions
@@ -132,7 +134,7 @@ def test_a_prompt_window_waits_for_its_first_decode_round_then_trains(monkeypatc
 
 
 def test_a_chunked_prompt_keeps_its_window_across_decode_rounds_of_others(monkeypatch):
-    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=64)
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=64, prompt_min_positions=1)
     long, other = _Req("long"), _Req("other")
     runtime.begin_prefill([long])
     _prompt(runtime, long, 20, start=0)  # first chunk
@@ -150,7 +152,7 @@ def test_a_chunked_prompt_keeps_its_window_across_decode_rounds_of_others(monkey
 
 
 def test_prompt_windows_of_requests_that_never_decode_are_dropped(monkeypatch):
-    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=8)
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_positions=8, prompt_min_positions=1)
     for batch_index in range(300):
         reqs = [_Req(f"b{batch_index}-{i}") for i in range(3)]
         runtime.begin_prefill(reqs)
@@ -161,3 +163,17 @@ def test_prompt_windows_of_requests_that_never_decode_are_dropped(monkeypatch):
         runtime.before_draft([])
         assert len(runtime.prompt_windows) == 0
     assert runtime.distiller.stats.num_prompt_updates == 0
+
+
+def test_prompts_shorter_than_the_minimum_are_not_learned(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_min_positions=12)
+    short, long = _Req("short"), _Req("long")
+    runtime.begin_prefill([short, long])
+    _prompt(runtime, short, 11)
+    _prompt(runtime, long, 12, seed=1)
+    runtime.before_draft(["short", "long"])
+    runtime.start_prompt_updates([short, long])
+    runtime.before_draft(["short", "long"])
+    assert not runtime.prompt_windows  # both consumed: the short one dropped, not kept
+    assert runtime.distiller.stats.prompt_positions_total == 12
+    assert runtime.counters("short").prompt_positions == 0 and runtime.counters("long").prompt_positions == 12
