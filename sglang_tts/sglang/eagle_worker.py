@@ -189,7 +189,10 @@ class TTSEagleWorker(EAGLEWorkerV2):
         """Prompt-time adaptation: keep the drafter's inputs at the last prompt positions of each
         request (core/prompt.py). After SGLang's draft extend, `batch.input_ids` holds the rotated
         ids (row j: the token after row j's; the last row of the final chunk: the sampled token), so
-        a window is the token at its first row, then the rotated ids of its rows. Device copies only."""
+        a window is the token at its first row, then the rotated ids of its rows. That first token is
+        the row before's rotated id, or, at the first row of a chunk, the last token of the request's
+        window from its previous chunk; with neither (a prompt's first chunk) the window starts one
+        row later. Device copies only: no host read, no host-to-device copy."""
         hidden = result.logits_output.hidden_states
         if hidden is None or batch.forward_mode.is_idle():
             return
@@ -199,14 +202,13 @@ class TTSEagleWorker(EAGLEWorkerV2):
             return  # not a full-capture prefill of these requests (e.g. a mixed batch)
         ranges = prompt_row_ranges(extend_lens, prefix_lens, self.tts.config.prompt_positions)
         pt = 0
-        for req, n, prefix, (lo, hi, start) in zip(batch.reqs, extend_lens, prefix_lens, ranges):
-            if lo > pt:
-                first = rotated[lo - 1 : lo]
-            else:
-                token = [req.get_fill_ids()[prefix]]
-                first = torch.tensor(token, dtype=rotated.dtype).to(rotated.device, non_blocking=True)
-            ids = torch.cat((first, rotated[lo:hi])).long()
-            self.tts.remember_prompt(req, ids, hidden[lo:hi].clone(), start)
+        for req, n, (lo, hi, start) in zip(batch.reqs, extend_lens, ranges):
+            first = rotated[lo - 1 : lo] if lo > pt else self.tts.prompt_tail(req, start)
+            if first is None:
+                lo, start, first = lo + 1, start + 1, rotated[lo : lo + 1]
+            if hi > lo:
+                ids = torch.cat((first.to(rotated.dtype), rotated[lo:hi])).to(torch.long, copy=True)
+                self.tts.remember_prompt(req, ids, hidden[lo:hi].clone(), start)
             pt += int(n)
 
     def _past_kv(self, batch, seq_lens):
@@ -238,7 +240,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             canvas = check_canvas = None
             if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
-                canvas = build_canvas(rows=rows, buffers=self.tts.distiller.capture_buffers(), **common)
+                canvas = build_canvas(rows=rows, buffers=self.tts.capture_buffers(), **common)
             if self.tts.check_fallback and self.topk == 1:
                 # The check re-predicts every drafted token, so it needs the whole chain.
                 rows = path_rows(1, n, accept_lens, result.accept_index, "full")

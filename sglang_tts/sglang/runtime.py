@@ -166,6 +166,15 @@ class TTSRuntime:
             window = cut_window(PromptWindow(req.rid, token_ids, features, start), keep)
         self.prompt_windows[req.rid] = (window, weakref.ref(req))
 
+    def prompt_tail(self, req, start: int) -> torch.Tensor | None:
+        """[1] the token at position `start` if `req` holds a window whose features end right before
+        it (the previous chunk of its prompt), else None."""
+        held = self.prompt_windows.get(req.rid)
+        if held is None or held[1]() is not req:
+            return None
+        window = held[0]
+        return window.token_ids[-1:] if window.start + window.num_positions == start else None
+
     def start_prompt_updates(self, reqs) -> None:
         """After this round's barrier and adapter binding: one prompt update over the windows of the
         batch's requests that have one (their first decode round) of at least --tts-prompt-min-positions
@@ -265,6 +274,10 @@ class TTSRuntime:
             if canvas.slots is not None:  # requests without an adapter were not trained
                 rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
             self._pending_rids = list(rows)
+
+    def capture_buffers(self):
+        """The Distiller's canvas buffers; collecting a running update there is credited like anywhere."""
+        return self._absorbing(self.distiller.capture_buffers)
 
     def count_round(self, accept_lengths: dict[str, int]) -> None:
         """A verify round's acceptance, on the host: per-request round counts and Prometheus."""

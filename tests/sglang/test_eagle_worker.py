@@ -165,3 +165,42 @@ def test_a_failing_report_never_reaches_sglangs_result_processing():
     worker.on_verify_complete_cpu([1, 2], batch_size=2)  # must not raise into SGLang's scheduler
     assert {site: n for site, n in worker.tts.failures.counts.items() if n} == {"report": 1}
     assert [worker.tts.counters(rid).failures for rid in ("r0", "r1")] == [1, 1]
+
+
+def _prefill(worker, reqs, prompts: list[list[int]], prefix_lens: list[int], tails: list[int], hidden):
+    """SGLang's state after a prefill's draft extend: rotated ids, full-capture hidden states."""
+    rotated = []
+    for ids, tail in zip(prompts, tails):
+        rotated += ids[1:] + [tail]
+    batch = SimpleNamespace(
+        reqs=reqs,
+        extend_lens=[len(p) for p in prompts],
+        prefix_lens=prefix_lens,
+        input_ids=torch.tensor(rotated),
+        forward_mode=SimpleNamespace(is_idle=lambda: False),
+    )
+    worker._remember_prompt_windows(batch, SimpleNamespace(logits_output=SimpleNamespace(hidden_states=hidden)))
+
+
+def test_prompt_windows_come_from_the_draft_extend_inputs_and_chunks_join():
+    worker = _worker(2, [])
+    worker.tts.config = TTSConfig(prompt_adapt="on", prompt_positions=6, log_interval=0)
+    a, b = FakeReq("a"), FakeReq("b")
+    hidden = torch.arange(10 * 3, dtype=torch.float32).view(10, 3)  # row r: [3r, 3r+1, 3r+2]
+    # a: its first chunk, positions 0..3 (next prompt token 14 comes in the next chunk); b: a whole
+    # prompt of 6 tokens after a 2-token prefix-cache hit, then its sampled token 99
+    _prefill(worker, [a, b], [[10, 11, 12, 13], [20, 21, 22, 23, 24, 25]], [0, 2], [14, 99], hidden)
+    window_a, _ = worker.tts.prompt_windows["a"]
+    # a's first row has no token before it on the device: the window starts one row later
+    assert window_a.start == 1 and window_a.token_ids.tolist() == [11, 12, 13, 14]
+    assert torch.equal(window_a.features, hidden[1:4])
+    window_b, _ = worker.tts.prompt_windows["b"]
+    assert window_b.start == 3 and window_b.token_ids.tolist() == [21, 22, 23, 24, 25, 99]
+    assert torch.equal(window_b.features, hidden[5:10])
+    # a's next chunk joins (its first token is the held window's last), cut to the last 6 positions
+    more = torch.arange(100, 112, dtype=torch.float32).view(4, 3)
+    _prefill(worker, [a], [[14, 15, 16, 17]], [4], [42], more)
+    window_a, _ = worker.tts.prompt_windows["a"]
+    assert window_a.start == 2 and window_a.token_ids.tolist() == [12, 13, 14, 15, 16, 17, 42]
+    assert torch.equal(window_a.features, torch.cat((hidden[2:4], more)))
+    assert not window_a.token_ids.is_inference() and window_a.token_ids.dtype == torch.long

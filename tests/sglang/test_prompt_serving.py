@@ -53,9 +53,10 @@ def frozen(loopy_llama, loopy_eagle3, prompts):
 
 @pytest.fixture(scope="module")
 def prompt_only(loopy_llama, loopy_eagle3, prompts):
-    """The prompts, then the first one again (a prefix-cache hit)."""
+    """The prompts, then the first one again (a prefix-cache hit of all but a few positions), then
+    the first one followed by 30 new tokens (a hit on its prefix, the new tokens computed)."""
     args = _args(loopy_eagle3, *CHAIN, "--tts-prompt-adapt", "only", *PROMPT_FAST)
-    return _serve(loopy_llama, args, [*prompts, prompts[0]])
+    return _serve(loopy_llama, args, [*prompts, prompts[0], prompts[0] + prompts[1][:30]])
 
 
 def _accept(result) -> float:
@@ -72,19 +73,26 @@ def test_prompt_adaptation_is_lossless(loopy_llama, prompts, frozen, prompt_only
 def test_the_prompt_update_is_reported_and_is_the_only_update(prompts, prompt_only):
     for prompt, result in zip(prompts, prompt_only):
         meta = result["meta_info"]
-        # every prompt position this prefill computed (under 512): a prefix-cache hit's are not
-        assert meta["tts_prompt_positions"] == len(prompt) - meta["cached_tokens"]
+        # every prompt position this prefill computed (under 512) but the first, which has no token
+        # before it on the device (EAGLE-3); a prefix-cache hit's positions were not computed
+        assert meta["tts_prompt_positions"] == len(prompt) - meta["cached_tokens"] - 1
         assert meta["tts_prompt_steps"] == 20
         assert meta["tts_prompt_ms"] > 0
         assert meta["tts_num_updates"] == 0 and meta["tts_num_skipped_updates"] == 0
 
 
-def test_a_prefix_cache_hit_trains_on_the_positions_the_prefill_computed(prompts, loopy_llama, prompt_only):
-    again = prompt_only[2]
-    meta = again["meta_info"]
-    assert meta["cached_tokens"] > 0
-    assert meta["tts_prompt_positions"] == len(prompts[0]) - meta["cached_tokens"]
-    assert again["output_ids"] == prompt_only[0]["output_ids"]
+def test_a_prefix_cache_hit_trains_on_the_positions_the_prefill_computed(prompts, prompt_only):
+    again, longer = (r["meta_info"] for r in prompt_only[2:4])
+    # the same prompt again: the few positions computed are under --tts-prompt-min-positions (8)
+    assert again["cached_tokens"] > 0 and len(prompts[0]) - again["cached_tokens"] - 1 < 8
+    assert again["tts_prompt_positions"] == 0 and again["tts_prompt_steps"] == 0
+    assert again["tts_weight_digest_end"] == again["tts_weight_digest_start"]
+    assert prompt_only[2]["output_ids"] == prompt_only[0]["output_ids"]
+    # a longer prompt over a cached prefix: it learns the positions it computed, not the cached ones
+    assert longer["cached_tokens"] >= len(prompts[0]) - 8
+    computed = len(prompts[0]) + 30 - longer["cached_tokens"] - 1
+    assert computed >= 8 and longer["tts_prompt_positions"] == computed
+    assert longer["tts_prompt_steps"] == 20
 
 
 def test_the_learned_prompt_changes_the_drafter_and_resets_with_the_request(prompt_only):
@@ -118,6 +126,6 @@ def test_per_request_adapters_learn_their_own_prompts_side_by_side(loopy_llama, 
     for prompt, result in zip(prompts, results):
         assert result["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
         meta = result["meta_info"]
-        assert meta["tts_prompt_positions"] == len(prompt) - meta["cached_tokens"]
+        assert meta["tts_prompt_positions"] == len(prompt) - meta["cached_tokens"] - 1
         assert meta["tts_prompt_steps"] == 20
         assert meta["tts_failures"] == 0

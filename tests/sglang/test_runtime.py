@@ -177,3 +177,17 @@ def test_prompts_shorter_than_the_minimum_are_not_learned(monkeypatch):
     assert not runtime.prompt_windows  # both consumed: the short one dropped, not kept
     assert runtime.distiller.stats.prompt_positions_total == 12
     assert runtime.counters("short").prompt_positions == 0 and runtime.counters("long").prompt_positions == 12
+
+
+def test_a_prompt_update_collected_by_the_canvas_capture_is_credited(monkeypatch):
+    """A request that joins at an update round: its prompt update is still running when that round's
+    canvas asks for the buffers (which collects it first); its counters must see it."""
+    runtime, _ = _runtime(monkeypatch, prompt_adapt="on", prompt_min_positions=1)
+    req = _Req("late")
+    runtime.begin_prefill([req])
+    _prompt(runtime, req, 9)
+    runtime.before_draft(["late"])
+    runtime.start_prompt_updates([req])
+    runtime.capture_buffers()
+    assert runtime.distiller.stats.num_prompt_updates == 1
+    assert runtime.counters("late").prompt_positions == 9 and runtime.counters("late").prompt_steps == 4
