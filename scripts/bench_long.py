@@ -44,8 +44,9 @@ from sglang_tts.bench.configs import (  # noqa: E402
     split_server_args,
 )
 from sglang_tts.bench.runner import RunnerSettings, SamplingSettings, get_json  # noqa: E402
+from sglang_tts.bench.server import kv_pool_tokens  # noqa: E402
 from sglang_tts.bench.suite import BenchPlan, rerender, run_suite, summary_lines  # noqa: E402
-from sglang_tts.bench.workload import chat_prompts, sample_prompts  # noqa: E402
+from sglang_tts.bench.workload import chat_prompts, prompt_token_counts, sample_prompts  # noqa: E402
 
 DEFAULT_DATASETS = ("aime2024", "math500")
 DEFAULT_TEMPERATURES = (0.0, 0.7)
@@ -271,6 +272,13 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "smoke": args.smoke,
         }
     )
+    kv_tokens = None
+    if not args.base_url and _cpu_defaults(args.device):
+        # Enough KV cache for the largest wave: otherwise SGLang queues part of it (CPU_DEFAULT_ARGS' pool
+        # holds one long request); a --server-arg=--max-total-tokens=N still wins.
+        lengths = prompt_token_counts(prompts, model)
+        kv_tokens = kv_pool_tokens(lengths, sampling.max_new_tokens, max(concurrencies))
+        settings["kv_pool_tokens"] = kv_tokens
     warmup = args.warmup_tokens if args.warmup_tokens is not None else (smoke.WARMUP_TOKENS if args.smoke else 32)
     runner = RunnerSettings(
         model=model,
@@ -283,6 +291,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
         cpu_defaults=_cpu_defaults(args.device),
+        kv_tokens=kv_tokens,
         base_url=args.base_url.rstrip("/") if args.base_url else None,
         served_model=(server_info or {}).get("served_model_name"),
     )

@@ -406,7 +406,8 @@ class RunnerSettings:
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
     server_timeout_s: float = 900.0
-    cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(model)
+    cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(model, kv_tokens)
+    kv_tokens: int | None = None  # KV pool the waves need (server.kv_pool_tokens); None: the CPU default
     server_env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None
     base_url: str | None = None  # target this running server instead of launching any
@@ -462,6 +463,7 @@ class Runner:
             timeout_s=self.settings.server_timeout_s,
             env=self.settings.server_env,
             log_dir=self.settings.log_dir,
+            kv_tokens=self.settings.kv_tokens,
         )
         self._server_config = config.name
         log.server_start_s = time.perf_counter() - start

@@ -7,6 +7,7 @@ process group so shutdown reaches SGLang's scheduler and detokenizer children to
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pathlib
 import random
@@ -41,6 +42,8 @@ def free_port(attempts: int = 64) -> int:
     raise RuntimeError(f"no free port among {attempts} tries in {HTTP_PORTS.start}-{HTTP_PORTS.stop - 1}")
 
 
+CPU_KV_TOKENS = 8192  # the KV pool of one long request; kv_pool_tokens raises it for a wave of them
+
 CPU_DEFAULT_ARGS = (
     "--device",
     "cpu",
@@ -50,28 +53,53 @@ CPU_DEFAULT_ARGS = (
     "--dtype",
     "float32",
     "--max-total-tokens",
-    "8192",
+    str(CPU_KV_TOKENS),
     "--skip-server-warmup",
     # The scheduler busy-polls a core when idle otherwise: on a 2-core machine that halves everything else.
     "--sleep-on-idle",
 )
 
 
-def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None = None) -> float:
+def kv_pool_tokens(prompt_lengths: Sequence[int], max_new_tokens: int, concurrency: int) -> int:
+    """Tokens of KV cache that `concurrency` requests in flight need at once: the longest prompts plus
+    their answers (and a few draft tokens each), at least CPU_KV_TOKENS. A smaller pool makes SGLang
+    queue part of a wave, which a benchmark of N requests in flight must not measure."""
+    longest = sorted(prompt_lengths, reverse=True)[: max(1, concurrency)]
+    return max(CPU_KV_TOKENS, sum(n + max_new_tokens + 64 for n in longest))
+
+
+def kv_bytes_per_token(model_path: str | os.PathLike[str]) -> int:
+    """fp32 K and V of every layer for one token, from the model's config.json (0 when it has none)."""
+    config = pathlib.Path(model_path) / "config.json"
+    if not config.is_file():
+        return 0
+    c = json.loads(config.read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    return 2 * 4 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+
+
+def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None = None, kv_tokens: int = 0) -> float:
     """--mem-fraction-static for a CPU server of this model: SGLang counts the CPU layer's packed linear
     weights as weights too, so room for three copies of the fp32 checkpoint and 0.5 GiB (at least 0.1, the
-    value that fits SmolLM2-135M; Qwen2.5-Coder-0.5B gets 0.33 of 24 GiB). A bound, not an
-    allocation: --max-total-tokens caps the KV pool."""
+    value that fits SmolLM2-135M; Qwen2.5-Coder-0.5B gets 0.33 of 24 GiB), plus a KV pool of `kv_tokens`
+    beyond CPU_KV_TOKENS (with a quarter more for the drafter's pool). A bound, not an allocation:
+    --max-total-tokens caps the KV pool."""
     folder = pathlib.Path(model_path)
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
     if total_bytes is None:
         total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return max(0.1, min(0.8, round((3 * weights + 2**29) / total_bytes, 2)))
+    kv = 1.25 * max(0, kv_tokens - CPU_KV_TOKENS) * kv_bytes_per_token(folder)
+    return max(0.1, min(0.8, round((3 * weights + 2**29 + kv) / total_bytes, 2)))
 
 
-def cpu_default_args(model_path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """CPU_DEFAULT_ARGS and the --mem-fraction-static this model needs (cpu_mem_fraction)."""
-    return (*CPU_DEFAULT_ARGS, "--mem-fraction-static", str(cpu_mem_fraction(model_path)))
+def cpu_default_args(model_path: str | os.PathLike[str], kv_tokens: int | None = None) -> tuple[str, ...]:
+    """CPU_DEFAULT_ARGS and the --mem-fraction-static this model needs (cpu_mem_fraction); with `kv_tokens`
+    above CPU_KV_TOKENS (kv_pool_tokens of a benchmark's waves), a KV pool of that many tokens."""
+    args = list(CPU_DEFAULT_ARGS)
+    if kv_tokens is not None and kv_tokens > CPU_KV_TOKENS:
+        args[args.index("--max-total-tokens") + 1] = str(kv_tokens)
+    fraction = cpu_mem_fraction(model_path, kv_tokens=kv_tokens or 0)
+    return (*args, "--mem-fraction-static", str(fraction))
 
 
 class ServerStartError(RuntimeError):
@@ -124,7 +152,9 @@ def start_server(
     timeout_s: float = 300.0,
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
+    kv_tokens: int | None = None,
 ) -> ServerProcess:
+    """`cpu_defaults`: add cpu_default_args(model_path, kv_tokens) before `extra_args` (which win)."""
     port = free_port()
     args = [
         sys.executable,
@@ -136,7 +166,7 @@ def start_server(
         "127.0.0.1",
         "--port",
         str(port),
-        *(cpu_default_args(model_path) if cpu_defaults else ()),
+        *(cpu_default_args(model_path, kv_tokens) if cpu_defaults else ()),
         *extra_args,
     ]
     log_file = tempfile.NamedTemporaryFile(prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w")

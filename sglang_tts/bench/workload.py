@@ -65,10 +65,25 @@ def chat_prompts(
     out: list[BenchPrompt] = []
     for prompt in prompts:
         messages = format_chat(prompt, instruction=instruction, system=system)
-        ids = None
-        if tokenizer is not None:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            # The template already wrote any BOS token: don't let the tokenizer add another.
-            ids = tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids = None if tokenizer is None else _template_ids(tokenizer, messages)
         out.append(BenchPrompt(prompt.id, prompt.dataset, ids, tuple(messages)))
     return out
+
+
+def _template_ids(tokenizer: Any, messages: Sequence[dict[str, str]]) -> tuple[int, ...]:
+    """Chat messages as the model reads them: the chat template with the generation prompt, tokenized."""
+    text = tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+    # The template already wrote any BOS token: don't let the tokenizer add another.
+    return tuple(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def prompt_token_counts(prompts: Sequence[BenchPrompt], tokenizer_path: str | Path) -> list[int]:
+    """Each prompt's length in tokens: its ids, or its messages under the chat template."""
+    tokenizer = None
+    if any(p.input_ids is None for p in prompts):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_path))
+    return [
+        len(p.input_ids if p.input_ids is not None else _template_ids(tokenizer, p.messages or ())) for p in prompts
+    ]

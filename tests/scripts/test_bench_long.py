@@ -34,6 +34,9 @@ def smoke_run(tmp_path_factory) -> Path:
 def test_every_configuration_ran_every_prompt(smoke_run):
     data = json.loads((smoke_run / "results.json").read_text())
     assert [c["name"] for c in data["configs"]] == CONFIGS
+    assert data["settings"]["kv_pool_tokens"] == 8192  # two short prompts, one at a time: the CPU default
+    launch = (smoke_run / "server_logs").glob("sglang-*.log")
+    assert any("max_total_num_tokens=8192," in log.read_text(errors="replace") for log in launch)
     assert all(not log.get("error") for log in data["schedule"])
     requests = data["requests"]
     assert sorted((r["config"], r["prompt_id"]) for r in requests) == sorted(
