@@ -95,11 +95,10 @@ def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None
 def cpu_default_args(model_path: str | os.PathLike[str], kv_tokens: int | None = None) -> tuple[str, ...]:
     """CPU_DEFAULT_ARGS and the --mem-fraction-static this model needs (cpu_mem_fraction); with `kv_tokens`
     above CPU_KV_TOKENS (kv_pool_tokens of a benchmark's waves), a KV pool of that many tokens."""
+    pool = max(CPU_KV_TOKENS, kv_tokens or 0)
     args = list(CPU_DEFAULT_ARGS)
-    if kv_tokens is not None and kv_tokens > CPU_KV_TOKENS:
-        args[args.index("--max-total-tokens") + 1] = str(kv_tokens)
-    fraction = cpu_mem_fraction(model_path, kv_tokens=kv_tokens or 0)
-    return (*args, "--mem-fraction-static", str(fraction))
+    args[args.index("--max-total-tokens") + 1] = str(pool)
+    return (*args, "--mem-fraction-static", str(cpu_mem_fraction(model_path, kv_tokens=pool)))
 
 
 class ServerStartError(RuntimeError):

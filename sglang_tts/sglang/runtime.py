@@ -159,9 +159,9 @@ class TTSRuntime:
         the caller's own copy). Kept, cut to the last --tts-prompt-positions positions, until the
         request's first decode round (start_prompt_updates); chunks of one prompt concatenate."""
         keep = self.config.prompt_positions
-        held = self.prompt_windows.get(req.rid)
-        if held is not None and held[1]() is req:
-            window = held[0].extended(token_ids, features, start, keep)
+        held = self._held_window(req)
+        if held is not None:
+            window = held.extended(token_ids, features, start, keep)
         else:
             window = cut_window(PromptWindow(req.rid, token_ids, features, start), keep)
         self.prompt_windows[req.rid] = (window, weakref.ref(req))
@@ -169,11 +169,15 @@ class TTSRuntime:
     def prompt_tail(self, req, start: int) -> torch.Tensor | None:
         """[1] the token at position `start` if `req` holds a window whose features end right before
         it (the previous chunk of its prompt), else None."""
-        held = self.prompt_windows.get(req.rid)
-        if held is None or held[1]() is not req:
+        window = self._held_window(req)
+        if window is None or window.start + window.num_positions != start:
             return None
-        window = held[0]
-        return window.token_ids[-1:] if window.start + window.num_positions == start else None
+        return window.token_ids[-1:]
+
+    def _held_window(self, req) -> PromptWindow | None:
+        """The window kept for this very request (not an earlier one with the same rid), if any."""
+        held = self.prompt_windows.get(req.rid)
+        return held[0] if held is not None and held[1]() is req else None
 
     def start_prompt_updates(self, reqs) -> None:
         """After this round's barrier and adapter binding: one prompt update over the windows of the
