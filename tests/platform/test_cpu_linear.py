@@ -212,3 +212,16 @@ def test_tts_publish_repacks_the_written_weight(sglang_cpu) -> None:
     _close(out, F.linear(x, trained["w"]), 32)
     # A destination no packed module owns (an adapter bank) is left alone.
     assert not cpu_linear.repack_tensor(torch.zeros(3, 3))
+
+
+def test_the_row_threshold_is_read_from_the_environment(monkeypatch) -> None:
+    """SGLANG_TTS_CPU_PACKED_MIN_ROWS sets the threshold (CPUs differ on where packing starts to pay);
+    a value that is not a row count >= 1 fails with a message naming the variable."""
+    monkeypatch.delenv(cpu_linear.MIN_ROWS_ENV, raising=False)
+    assert cpu_linear._min_rows_from_env() == 4
+    monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, "1")
+    assert cpu_linear._min_rows_from_env() == 1
+    for bad in ("0", "-2", "four"):
+        monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=cpu_linear.MIN_ROWS_ENV):
+            cpu_linear._min_rows_from_env()

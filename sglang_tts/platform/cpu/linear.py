@@ -8,7 +8,10 @@ does not repack. Measured per (weight shape, rows) by scripts/bench_cpu_linear.p
 (docs/results/cpu-linear/report.md): from 4 rows on the packed product is the fastest (Qwen2.5-0.5B's
 LM head, 4 rows: 22.6 ms packed, 57.7 ms `F.linear`; one row 18.2 ms), while with 1-3 rows `F.linear`
 (the BLAS's small-M kernel, no repacking) is faster by 10-60%. Hence one rule: fewer than
-`PACKED_MIN_ROWS` rows -> `F.linear` on the dense weight, else the packed weight.
+`PACKED_MIN_ROWS` rows -> `F.linear` on the dense weight, else the packed weight. That threshold is
+the CPU's: on an AVX-512 AMD EPYC the packed product was 3-14x faster than `F.linear` from one row on
+(Qwen's LM head, 1 / 2 / 3 rows: 7.8 / 8.2 / 8.8 ms packed, 32 / 73 / 108 ms `F.linear`), so
+`SGLANG_TTS_CPU_PACKED_MIN_ROWS` (default 4) sets it; `scripts/bench_cpu_linear.py` measures both.
 
 Which weights: float32 `UnquantizedLinearMethod` layers and the LM head of every model SGLang loads
 (target and drafter). A packed copy must follow its dense weight, so every in-place write repacks:
@@ -35,7 +38,23 @@ import torch.nn.functional as F
 logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "SGLANG_TTS_CPU_PACKED_LINEAR"
-PACKED_MIN_ROWS = 4  # below this, F.linear is faster (see the module docstring)
+MIN_ROWS_ENV = "SGLANG_TTS_CPU_PACKED_MIN_ROWS"
+
+
+def _min_rows_from_env() -> int:
+    text = os.environ.get(MIN_ROWS_ENV, "4")
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = 0
+    if rows < 1:
+        raise ValueError(f"{MIN_ROWS_ENV}={text!r}: use a whole number of rows >= 1 (default 4)")
+    return rows
+
+
+# Below this many rows F.linear is used (faster on the CPU the module docstring measured; on an AVX-512
+# AMD EPYC the packed product was 3-14x faster from one row on: set SGLANG_TTS_CPU_PACKED_MIN_ROWS=1 there).
+PACKED_MIN_ROWS = _min_rows_from_env()
 PACKED_ATTR = "_sglang_tts_packed_weight"
 
 # Packed modules by the data_ptr of their dense weight: what a publish into that tensor must repack.
