@@ -52,9 +52,7 @@ def _min_rows_from_env() -> int:
     return rows
 
 
-# Below this many rows F.linear is used (faster on the CPU the module docstring measured; on an AVX-512
-# AMD EPYC the packed product was 3-14x faster from one row on: set SGLANG_TTS_CPU_PACKED_MIN_ROWS=1 there).
-PACKED_MIN_ROWS = _min_rows_from_env()
+PACKED_MIN_ROWS = _min_rows_from_env()  # below this many rows, F.linear (the module docstring says why)
 PACKED_ATTR = "_sglang_tts_packed_weight"
 
 # Packed modules by the data_ptr of their dense weight: what a publish into that tensor must repack.
