@@ -1,5 +1,6 @@
 """Candidate CPU formulations of a linear layer, timed per (weight shape, rows): the evidence behind
-sglang_tts/platform/cpu/linear.py's choice (packed oneDNN weights from PACKED_MIN_ROWS rows, F.linear below).
+sglang_tts/platform/cpu/linear.py's choice (packed oneDNN weights from a row count measured per weight shape at
+load, F.linear below).
 
     python scripts/bench_cpu_linear.py                      # Qwen2.5-0.5B and SmolLM2-135M weight shapes
     python scripts/bench_cpu_linear.py --shapes 151936x896 --rows 1,4,8

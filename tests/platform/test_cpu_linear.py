@@ -1,5 +1,6 @@
 """The CPU linear path: packed oneDNN weights agree with F.linear for every row count serving makes,
-the dispatch really switches at PACKED_MIN_ROWS, and the SGLang hooks pack, use and repack weights."""
+the dispatch really switches at each weight's row threshold (measured per shape at load, or set), and the
+SGLang hooks pack, use and repack weights."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang_tts.platform.cpu import linear as cpu_linear
-from sglang_tts.platform.cpu.linear import PACKED_ATTR, PACKED_MIN_ROWS, pack_weight
+from sglang_tts.platform.cpu.linear import MAX_MIN_ROWS, MIN_ROWS_ATTR, PACKED_ATTR, pack_weight
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -40,14 +41,15 @@ def test_packed_linear_matches_f_linear(rows: int, shape: tuple[int, int]) -> No
         _close(cpu_linear.linear(wide, weight, packed), F.linear(wide, weight), in_f)
 
 
+@pytest.mark.parametrize("min_rows", range(1, MAX_MIN_ROWS + 1))
 @pytest.mark.parametrize("rows", ROWS)
-def test_dispatch_switches_to_the_packed_weight_at_min_rows(rows: int) -> None:
-    """A packed copy of 2*W tells which weight was used: W below PACKED_MIN_ROWS (exactly F.linear), the
+def test_dispatch_switches_to_the_packed_weight_at_min_rows(rows: int, min_rows: int) -> None:
+    """A packed copy of 2*W tells which weight was used: W below min_rows (exactly F.linear), the
     packed one from there on."""
     weight = torch.randn(48, 32)
     x = torch.randn(rows, 32)
-    out = cpu_linear.linear(x, weight, pack_weight(2 * weight))
-    if rows < PACKED_MIN_ROWS:
+    out = cpu_linear.linear(x, weight, pack_weight(2 * weight), min_rows=min_rows)
+    if rows < min_rows:
         assert torch.equal(out, F.linear(x, weight))
     else:
         _close(out, 2 * F.linear(x, weight), 32)
@@ -111,6 +113,10 @@ def test_pack_model_and_hooks_use_the_packed_weights(sglang_cpu) -> None:
         setattr(layer, PACKED_ATTR, pack_weight(2 * layer.weight))
         doubled = cpu_linear.linear_apply_hook(UnquantizedLinearMethod.apply, layer.quant_method, layer, x, None)
         _close(doubled, 2 * F.linear(x, layer.weight), 32)
+        # ... from the layer's own row threshold on: below it, F.linear on the dense weight.
+        setattr(layer, MIN_ROWS_ATTR, x.shape[0] + 1)
+        dense = cpu_linear.linear_apply_hook(UnquantizedLinearMethod.apply, layer.quant_method, layer, x, None)
+        assert torch.equal(dense, F.linear(x, layer.weight))
         # A layer without a packed weight goes to SGLang's own apply.
         setattr(layer, PACKED_ATTR, None)
         calls = []
@@ -214,14 +220,69 @@ def test_tts_publish_repacks_the_written_weight(sglang_cpu) -> None:
     assert not cpu_linear.repack_tensor(torch.zeros(3, 3))
 
 
-def test_the_row_threshold_is_read_from_the_environment(monkeypatch) -> None:
-    """SGLANG_TTS_CPU_PACKED_MIN_ROWS sets the threshold (CPUs differ on where packing starts to pay);
-    a value that is not a row count >= 1 fails with a message naming the variable."""
+def test_choose_min_rows_takes_the_packed_weight_from_where_it_is_never_slower() -> None:
+    choose = cpu_linear.choose_min_rows
+    assert choose([32.0, 73.0, 108.0], [7.8, 8.2, 8.8]) == 1  # AVX-512 EPYC, Qwen's LM head
+    assert choose([18.0, 19.0, 21.0], [20.0, 21.0, 22.0]) == 4  # the older CPU: F.linear faster at 1-3
+    assert choose([1.0, 3.0, 4.0], [2.0, 2.0, 2.0]) == 2
+    assert choose([1.0, 3.0, 1.0], [2.0, 2.0, 2.0]) == 4  # a crossing back: F.linear until it never wins
+    assert choose([], []) == 1
+
+
+def test_the_threshold_is_measured_once_per_weight_shape(sglang_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset (or "auto"), each packed weight gets the threshold measured on its shape, once per shape."""
     monkeypatch.delenv(cpu_linear.MIN_ROWS_ENV, raising=False)
-    assert cpu_linear._min_rows_from_env() == 4
-    monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, "1")
-    assert cpu_linear._min_rows_from_env() == 1
-    for bad in ("0", "-2", "four"):
+    monkeypatch.setattr(cpu_linear, "_MEASURED_MIN_ROWS", {})
+    timed: list[tuple[int, ...]] = []
+    real = cpu_linear.measure_min_rows
+
+    def measure(weight, packed, calls=3):
+        timed.append(tuple(weight.shape))
+        return real(weight, packed, calls)
+
+    monkeypatch.setattr(cpu_linear, "measure_min_rows", measure)
+    first, second = _tiny_model(), _tiny_model()
+    report = cpu_linear.pack_model(first)
+    cpu_linear.pack_model(second)
+    assert sorted(timed) == [(24, 32), (80, 32)]  # two shapes, two models: two measurements
+    assert set(report.min_rows) == {"24x32", "80x32"}
+    for model in (first, second):
+        for module in (model.proj, model.lm_head):
+            rows = getattr(module, MIN_ROWS_ATTR)
+            assert 1 <= rows <= MAX_MIN_ROWS and rows == report.min_rows["x".join(map(str, module.weight.shape))]
+    # The real timing agrees with a direct comparison on a shape where the two products differ clearly.
+    weight = torch.randn(4096, 256)
+    assert 1 <= real(weight, pack_weight(weight)) <= MAX_MIN_ROWS
+
+
+def test_the_threshold_set_in_the_environment_wins_and_a_bad_value_fails_the_load(
+    sglang_cpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLANG_TTS_CPU_PACKED_MIN_ROWS=N sets every weight's threshold; a bad value fails where SGLang
+    stops the launch (the model load), naming the variable, and not at import, where SGLang's plugin
+    loader would swallow it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(cpu_linear, "measure_min_rows", lambda *a, **k: pytest.fail("measured despite a setting"))
+    for value, rows in (("1", 1), (" 3 ", 3), ("4", 4)):
+        monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, value)
+        model = _tiny_model()
+        assert cpu_linear.pack_model(model).min_rows == {"24x32": rows, "80x32": rows}
+        assert getattr(model.proj, MIN_ROWS_ATTR) == rows
+    monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, "AUTO")
+    assert cpu_linear.min_rows_setting() is None
+    loads = []
+
+    class Runner:
+        device, is_draft_worker, model = "cpu", False, None
+
+    for bad in ("0", "5", "-2", "four", ""):
         monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, bad)
         with pytest.raises(ValueError, match=cpu_linear.MIN_ROWS_ENV):
-            cpu_linear._min_rows_from_env()
+            cpu_linear.pack_model(_tiny_model())
+        with pytest.raises(ValueError, match=cpu_linear.MIN_ROWS_ENV):
+            cpu_linear.load_model_hook(lambda runner: loads.append(runner), Runner())
+    assert loads == []  # the launch fails before any weight is read
+    imported = subprocess.run([sys.executable, "-c", "import sglang_tts.platform.cpu.linear"], capture_output=True)
+    assert imported.returncode == 0, imported.stderr.decode()[-2000:]  # the env still holds the last bad value

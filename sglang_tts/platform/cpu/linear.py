@@ -7,11 +7,15 @@ A oneDNN linear whose weight was reordered once at load (`torch.ops.mkldnn._reor
 does not repack. Measured per (weight shape, rows) by scripts/bench_cpu_linear.py
 (docs/results/cpu-linear/report.md): from 4 rows on the packed product is the fastest (Qwen2.5-0.5B's
 LM head, 4 rows: 22.6 ms packed, 57.7 ms `F.linear`; one row 18.2 ms), while with 1-3 rows `F.linear`
-(the BLAS's small-M kernel, no repacking) is faster by 10-60%. Hence one rule: fewer than
-`PACKED_MIN_ROWS` rows -> `F.linear` on the dense weight, else the packed weight. That threshold is
-the CPU's: on an AVX-512 AMD EPYC the packed product was 3-14x faster than `F.linear` from one row on
-(Qwen's LM head, 1 / 2 / 3 rows: 7.8 / 8.2 / 8.8 ms packed, 32 / 73 / 108 ms `F.linear`), so
-`SGLANG_TTS_CPU_PACKED_MIN_ROWS` (default 4) sets it; `scripts/bench_cpu_linear.py` measures both.
+(the BLAS's small-M kernel, no repacking) is faster by 10-60%. On an AVX-512 AMD EPYC it is the other
+way round: the packed product was 3-14x faster than `F.linear` from one row on (Qwen's LM head,
+1 / 2 / 3 rows: 7.8 / 8.2 / 8.8 ms packed, 32 / 73 / 108 ms `F.linear`). So the row count from which a
+weight takes its packed copy is the CPU's, and it is measured: when a weight is packed, both products
+are timed at 1-3 rows (once per weight shape and process, the fastest of a few calls), and the weight
+takes `F.linear` below the first row count from which the packed product is never slower
+(`choose_min_rows`); from `MAX_MIN_ROWS` (4) rows on it always takes the packed one.
+`SGLANG_TTS_CPU_PACKED_MIN_ROWS=N` sets the threshold instead (1-4; a bad value fails the model load,
+naming the variable); `scripts/bench_cpu_linear.py` measures every formulation at any row count.
 
 Which weights: float32 `UnquantizedLinearMethod` layers and the LM head of every model SGLang loads
 (target and drafter). A packed copy must follow its dense weight, so every in-place write repacks:
@@ -29,8 +33,10 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import weakref
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,24 +45,79 @@ logger = logging.getLogger(__name__)
 
 ENABLE_ENV = "SGLANG_TTS_CPU_PACKED_LINEAR"
 MIN_ROWS_ENV = "SGLANG_TTS_CPU_PACKED_MIN_ROWS"
+MAX_MIN_ROWS = 4  # from 4 rows on, the packed product was the fastest on every CPU measured
+PACKED_ATTR = "_sglang_tts_packed_weight"
+MIN_ROWS_ATTR = "_sglang_tts_packed_min_rows"  # per packed module: F.linear below this many rows
+
+# Packed modules by the data_ptr of their dense weight: what a publish into that tensor must repack.
+_PACKED_BY_WEIGHT: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+# The measured threshold per weight shape [out, in], for this process (a handful of shapes per model).
+_MEASURED_MIN_ROWS: dict[tuple[int, ...], int] = {}
 
 
-def _min_rows_from_env() -> int:
-    text = os.environ.get(MIN_ROWS_ENV, "4")
+def min_rows_setting() -> int | None:
+    """SGLANG_TTS_CPU_PACKED_MIN_ROWS as a row count, or None (unset or "auto": measure per shape).
+
+    Read when a model is packed, not at import: SGLang's plugin loader swallows import errors, while a
+    failed model load stops the launch with this message."""
+    text = os.environ.get(MIN_ROWS_ENV, "auto").strip()
+    if text.lower() == "auto":
+        return None
     try:
         rows = int(text)
     except ValueError:
         rows = 0
-    if rows < 1:
-        raise ValueError(f"{MIN_ROWS_ENV}={text!r}: use a whole number of rows >= 1 (default 4)")
+    if not 1 <= rows <= MAX_MIN_ROWS:
+        raise ValueError(
+            f"{MIN_ROWS_ENV}={text!r}: use 'auto' (the default: measured per weight shape at load) "
+            f"or a row count from 1 to {MAX_MIN_ROWS}"
+        )
     return rows
 
 
-PACKED_MIN_ROWS = _min_rows_from_env()  # below this many rows, F.linear (the module docstring says why)
-PACKED_ATTR = "_sglang_tts_packed_weight"
+def choose_min_rows(dense_ms: Sequence[float], packed_ms: Sequence[float]) -> int:
+    """The first row count from which the packed product is never slower, up to MAX_MIN_ROWS.
 
-# Packed modules by the data_ptr of their dense weight: what a publish into that tensor must repack.
-_PACKED_BY_WEIGHT: weakref.WeakValueDictionary[int, torch.nn.Module] = weakref.WeakValueDictionary()
+    dense_ms[i] / packed_ms[i]: the time of `F.linear` / the packed product with i + 1 rows."""
+    min_rows = 1
+    for rows, (dense, packed) in enumerate(zip(dense_ms, packed_ms), start=1):
+        if dense < packed:
+            min_rows = rows + 1
+    return min(min_rows, MAX_MIN_ROWS)
+
+
+def _fastest_ms(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int) -> float:
+    product(x)  # first call: allocation, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(calls):
+        start = time.perf_counter()
+        product(x)
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
+
+
+def measure_min_rows(weight: torch.Tensor, packed: torch.Tensor, calls: int = 3) -> int:
+    """Time `F.linear` and the packed product on `weight` at 1..MAX_MIN_ROWS-1 rows; `choose_min_rows`.
+
+    The fastest of `calls` calls, so a stall of the other core does not decide. Qwen2.5-0.5B's LM head,
+    the largest weight served here, costs about a second on the slowest path measured."""
+    dense_ms, packed_ms = [], []
+    with torch.no_grad():
+        for rows in range(1, MAX_MIN_ROWS):
+            x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+            dense_ms.append(_fastest_ms(lambda inp: F.linear(inp, weight), x, calls))
+            packed_ms.append(_fastest_ms(lambda inp: _packed_linear(inp, packed), x, calls))
+    return choose_min_rows(dense_ms, packed_ms)
+
+
+def _min_rows_for(weight: torch.Tensor, packed: torch.Tensor) -> int:
+    setting = min_rows_setting()
+    if setting is not None:
+        return setting
+    shape = tuple(weight.shape)
+    if shape not in _MEASURED_MIN_ROWS:
+        _MEASURED_MIN_ROWS[shape] = measure_min_rows(weight, packed)
+    return _MEASURED_MIN_ROWS[shape]
 
 
 def packing_enabled() -> bool:
@@ -75,11 +136,16 @@ def linear(
     weight: torch.Tensor,  # [out, in], dense
     packed: torch.Tensor | None,  # pack_weight(weight), or None
     bias: torch.Tensor | None = None,  # [out]
+    min_rows: int = MAX_MIN_ROWS,  # F.linear below this many rows (the module's MIN_ROWS_ATTR)
 ) -> torch.Tensor:  # [..., out]
     """`F.linear(x, weight, bias)`, through the packed weight when it is given and x has enough rows."""
     rows = x.numel() // max(x.shape[-1], 1)  # shapes only: no host sync
-    if packed is None or rows < PACKED_MIN_ROWS or x.dtype != torch.float32 or x.requires_grad:
+    if packed is None or rows < min_rows or x.dtype != torch.float32 or x.requires_grad:
         return F.linear(x, weight, bias)
+    return _packed_linear(x, packed, bias)
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
@@ -88,11 +154,14 @@ class PackReport:
     layers: int = 0
     lm_heads: int = 0
     bytes: int = 0
+    min_rows: dict[str, int] = field(default_factory=dict)  # "out x in" -> the packed weight from this many rows
 
-    def add(self, packed: torch.Tensor, lm_head: bool) -> None:
+    def add(self, module: torch.nn.Module, packed: torch.Tensor, lm_head: bool) -> None:
         self.lm_heads += int(lm_head)
         self.layers += int(not lm_head)
         self.bytes += packed.numel() * packed.element_size()
+        out_f, in_f = module.weight.shape
+        self.min_rows[f"{out_f}x{in_f}"] = getattr(module, MIN_ROWS_ATTR, MAX_MIN_ROWS)
 
 
 def _lm_head_is_plain(lm_head: torch.nn.Module) -> bool:
@@ -107,9 +176,10 @@ def _lm_head_is_plain(lm_head: torch.nn.Module) -> bool:
 def _pack_module(module: torch.nn.Module) -> torch.Tensor | None:
     with torch.no_grad():
         packed = pack_weight(module.weight)
-    setattr(module, PACKED_ATTR, packed)
     if packed is not None:
+        setattr(module, MIN_ROWS_ATTR, _min_rows_for(module.weight, packed))
         _PACKED_BY_WEIGHT[module.weight.data_ptr()] = module
+    setattr(module, PACKED_ATTR, packed)
     return packed
 
 
@@ -135,7 +205,7 @@ def pack_model(model: torch.nn.Module, repack: bool = True) -> PackReport:
         if repack or packed is None:
             packed = _pack_module(module)
         if packed is not None:
-            report.add(packed, lm_head=is_head)
+            report.add(module, packed, lm_head=is_head)
     return report
 
 
@@ -162,7 +232,7 @@ def linear_apply_hook(original, method, layer, x, bias=None, *args, **kwargs):
     packed = getattr(layer, PACKED_ATTR, None)
     if packed is None or args or kwargs:
         return original(method, layer, x, bias, *args, **kwargs)
-    return linear(x, layer.weight, packed, bias)
+    return linear(x, layer.weight, packed, bias, getattr(layer, MIN_ROWS_ATTR, MAX_MIN_ROWS))
 
 
 def compute_lm_head_hook(original, processor, hidden_states, lm_head, embedding_bias=None, *args, **kwargs):
@@ -178,21 +248,26 @@ def compute_lm_head_hook(original, processor, hidden_states, lm_head, embedding_
         or hidden_states.dtype != torch.float32
     ):
         return original(processor, hidden_states, lm_head, embedding_bias, *args, **kwargs)
-    return linear(hidden_states, lm_head.weight, packed)
+    return linear(hidden_states, lm_head.weight, packed, min_rows=getattr(lm_head, MIN_ROWS_ATTR, MAX_MIN_ROWS))
 
 
 def load_model_hook(original, runner, *args, **kwargs):
     """AROUND hook on ModelRunner.load_model: pack the model's weights once loaded."""
+    pack = runner.device == "cpu" and packing_enabled()
+    setting = min_rows_setting() if pack else None  # a bad value fails before the weights are read
     result = original(runner, *args, **kwargs)
-    if runner.device != "cpu" or not packing_enabled():
+    if not pack:
         return result
     report = pack_model(runner.model, repack=False)
     logger.info(
-        "sglang-tts: packed %d linear layers and %d LM head(s) of the %s for oneDNN (%.2f GB)",
+        "sglang-tts: packed %d linear layers and %d LM head(s) of the %s for oneDNN (%.2f GB); "
+        "packed from this many rows, per weight shape (%s): %s",
         report.layers,
         report.lm_heads,
         "drafter" if runner.is_draft_worker else "target",
         report.bytes / 2**30,
+        "measured" if setting is None else MIN_ROWS_ENV,
+        report.min_rows,
     )
     return result
 
