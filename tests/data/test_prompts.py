@@ -53,7 +53,18 @@ def test_aime2025_and_champ() -> None:
     _check_set(champ, "champ", 270)
     assert all("@@" not in p.question for p in champ)  # markup-free statement text
     assert champ[0].id == "P_Combinatorics_1" and champ[0].answer == "239"
-    assert set(available_sources()) >= {"aime2024", "math500", "aime2025", "champ"}
+    assert set(available_sources()) >= {"aime2024", "math500", "aime2025", "champ", "gpqa"}
+
+
+def test_gpqa_carries_its_own_instruction_and_the_correct_letter() -> None:
+    prompts = load_prompts("gpqa")
+    _check_set(prompts, "gpqa", 198)
+    assert all(p.self_contained and p.answer in {"A", "B", "C", "D"} for p in prompts)
+    # GPQA Diamond's first question (two quantum states, lifetimes 1e-9 s and 1e-8 s): the answer is 1e-4 eV.
+    first = prompts[0]
+    assert first.id == "gpqa-1" and "lifetime" in first.question and f"{first.answer}) 10^-4 eV" in first.question
+    assert format_chat(first)[0]["content"] == first.question  # no second instruction appended
+    assert len({p.answer for p in prompts}) == 4  # the payload permutes the choices
 
 
 def test_jsonl_file(tmp_path: Path) -> None:

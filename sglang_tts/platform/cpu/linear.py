@@ -87,13 +87,18 @@ def choose_min_rows(dense_ms: Sequence[float], packed_ms: Sequence[float]) -> in
     return min(min_rows, MAX_MIN_ROWS)
 
 
-def _fastest_ms(product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, calls: int) -> float:
-    product(x)  # first call: allocation, oneDNN primitive creation
+def fastest_ms(fn: Callable[[], object], calls: int, budget_s: float = 0.0) -> float:
+    """The fastest of at least `calls` timed calls of `fn` (more until `budget_s` seconds have passed), in ms,
+    after one untimed call (allocation, oneDNN primitive creation)."""
+    fn()
     best = float("inf")
-    for _ in range(calls):
-        start = time.perf_counter()
-        product(x)
-        best = min(best, time.perf_counter() - start)
+    start = time.perf_counter()
+    done = 0
+    while done < calls or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+        done += 1
     return best * 1e3
 
 
@@ -106,13 +111,12 @@ def measure_min_rows(weight: torch.Tensor, packed: torch.Tensor, calls: int = 3)
     with torch.no_grad():
         for rows in range(1, MAX_MIN_ROWS):
             x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-            dense_ms.append(_fastest_ms(lambda inp: F.linear(inp, weight), x, calls))
-            packed_ms.append(_fastest_ms(lambda inp: _packed_linear(inp, packed), x, calls))
+            dense_ms.append(fastest_ms(lambda x=x: F.linear(x, weight), calls))
+            packed_ms.append(fastest_ms(lambda x=x: _packed_linear(x, packed), calls))
     return choose_min_rows(dense_ms, packed_ms)
 
 
-def _min_rows_for(weight: torch.Tensor, packed: torch.Tensor) -> int:
-    setting = min_rows_setting()
+def _min_rows_for(weight: torch.Tensor, packed: torch.Tensor, setting: int | None) -> int:
     if setting is not None:
         return setting
     shape = tuple(weight.shape)
@@ -174,11 +178,12 @@ def _lm_head_is_plain(lm_head: torch.nn.Module) -> bool:
     return not should_apply_lm_head_quant_method(lm_head, getattr(lm_head, "quant_method", None))
 
 
-def _pack_module(module: torch.nn.Module) -> torch.Tensor | None:
+def _pack_module(module: torch.nn.Module, setting: int | None) -> torch.Tensor | None:
+    """Pack `module`'s weight; its threshold is `setting`, or measured (once per shape) where None."""
     with torch.no_grad():
         packed = pack_weight(module.weight)
     if packed is not None:
-        setattr(module, MIN_ROWS_ATTR, _min_rows_for(module.weight, packed))
+        setattr(module, MIN_ROWS_ATTR, _min_rows_for(module.weight, packed, setting))
         _PACKED_BY_WEIGHT[module.weight.data_ptr()] = module
     setattr(module, PACKED_ATTR, packed)
     return packed
@@ -200,11 +205,12 @@ def pack_model(model: torch.nn.Module, repack: bool = True) -> PackReport:
     if isinstance(lm_head, torch.nn.Module) and isinstance(getattr(lm_head, "weight", None), torch.Tensor):
         if _lm_head_is_plain(lm_head):
             modules.append((lm_head, True))
+    setting = min_rows_setting()
     report = PackReport()
     for module, is_head in modules:
         packed = getattr(module, PACKED_ATTR, None)
         if repack or packed is None:
-            packed = _pack_module(module)
+            packed = _pack_module(module, setting)
         if packed is not None:
             report.add(module, packed, lm_head=is_head)
     return report
@@ -215,7 +221,7 @@ def repack_tensor(weight: torch.Tensor) -> bool:
     module = _PACKED_BY_WEIGHT.get(weight.data_ptr())
     if module is None or getattr(module, PACKED_ATTR, None) is None or module.weight.data_ptr() != weight.data_ptr():
         return False
-    _pack_module(module)
+    _pack_module(module, getattr(module, MIN_ROWS_ATTR, None))  # same shape: the threshold it already has
     return True
 
 
