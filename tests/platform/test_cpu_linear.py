@@ -250,3 +250,71 @@ def test_fastest_ms_times_at_least_the_calls_asked_and_until_the_budget() -> Non
     calls.clear()
     cpu_linear.fastest_ms(lambda: calls.append(time.perf_counter()), calls=1, budget_s=0.05)
     assert len(calls) > 10 and calls[-1] - calls[1] >= 0.04  # calls go on until the budget is spent
+
+
+def test_choose_min_rows_takes_the_packed_weight_from_where_it_is_never_slower() -> None:
+    choose = cpu_linear.choose_min_rows
+    assert choose([32.0, 73.0, 108.0], [7.8, 8.2, 8.8]) == 1  # AVX-512 EPYC, Qwen's LM head
+    assert choose([18.0, 19.0, 21.0], [20.0, 21.0, 22.0]) == 4  # the older CPU: F.linear faster at 1-3
+    assert choose([1.0, 3.0, 4.0], [2.0, 2.0, 2.0]) == 2
+    assert choose([1.0, 3.0, 1.0], [2.0, 2.0, 2.0]) == 4  # a crossing back: F.linear until it never wins
+    assert choose([], []) == 1
+
+
+def test_the_threshold_is_measured_once_per_weight_shape(sglang_cpu, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unset (or "auto"), each packed weight gets the threshold measured on its shape, once per shape."""
+    monkeypatch.delenv(cpu_linear.MIN_ROWS_ENV, raising=False)
+    monkeypatch.setattr(cpu_linear, "_MEASURED_MIN_ROWS", {})
+    timed: list[tuple[int, ...]] = []
+    real = cpu_linear.measure_min_rows
+
+    def measure(weight, packed, calls=3):
+        timed.append(tuple(weight.shape))
+        return real(weight, packed, calls)
+
+    monkeypatch.setattr(cpu_linear, "measure_min_rows", measure)
+    first, second = _tiny_model(), _tiny_model()
+    report = cpu_linear.pack_model(first)
+    cpu_linear.pack_model(second)
+    assert sorted(timed) == [(24, 32), (80, 32)]  # two shapes, two models: two measurements
+    assert set(report.min_rows) == {"24x32", "80x32"}
+    for model in (first, second):
+        for module in (model.proj, model.lm_head):
+            rows = getattr(module, MIN_ROWS_ATTR)
+            assert 1 <= rows <= MAX_MIN_ROWS and rows == report.min_rows["x".join(map(str, module.weight.shape))]
+    # The real timing agrees with a direct comparison on a shape where the two products differ clearly.
+    weight = torch.randn(4096, 256)
+    assert 1 <= real(weight, pack_weight(weight)) <= MAX_MIN_ROWS
+
+
+def test_the_threshold_set_in_the_environment_wins_and_a_bad_value_fails_the_load(
+    sglang_cpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SGLANG_TTS_CPU_PACKED_MIN_ROWS=N sets every weight's threshold; a bad value fails where SGLang
+    stops the launch (the model load), naming the variable, and not at import, where SGLang's plugin
+    loader would swallow it."""
+    import subprocess
+    import sys
+
+    monkeypatch.setattr(cpu_linear, "measure_min_rows", lambda *a, **k: pytest.fail("measured despite a setting"))
+    for value, rows in (("1", 1), (" 3 ", 3), ("4", 4)):
+        monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, value)
+        model = _tiny_model()
+        assert cpu_linear.pack_model(model).min_rows == {"24x32": rows, "80x32": rows}
+        assert getattr(model.proj, MIN_ROWS_ATTR) == rows
+    monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, "AUTO")
+    assert cpu_linear.min_rows_setting() is None
+    loads = []
+
+    class Runner:
+        device, is_draft_worker, model = "cpu", False, None
+
+    for bad in ("0", "5", "-2", "four", ""):
+        monkeypatch.setenv(cpu_linear.MIN_ROWS_ENV, bad)
+        with pytest.raises(ValueError, match=cpu_linear.MIN_ROWS_ENV):
+            cpu_linear.pack_model(_tiny_model())
+        with pytest.raises(ValueError, match=cpu_linear.MIN_ROWS_ENV):
+            cpu_linear.load_model_hook(lambda runner: loads.append(runner), Runner())
+    assert loads == []  # the launch fails before any weight is read
+    imported = subprocess.run([sys.executable, "-c", "import sglang_tts.platform.cpu.linear"], capture_output=True)
+    assert imported.returncode == 0, imported.stderr.decode()[-2000:]  # the env still holds the last bad value
