@@ -242,7 +242,9 @@ def measure(
 ) -> Timing:
     timing_file = work / f"timing-{config.drafter}-{config.draft_tokens}.jsonl"
     timing_file.touch()
-    extra = ["--context-length", str(args.context_length), "--mem-fraction-static", str(args.mem_fraction)]
+    extra = ["--context-length", str(args.context_length)]
+    if args.mem_fraction is not None:
+        extra += ["--mem-fraction-static", str(args.mem_fraction)]
     with sglang_server(str(model), [*extra, *server_args(config, drafter)], env={TIMING_ENV: str(timing_file)}) as s:
         _generate(s.base_url, ids, args.short)  # warm-up: first-call allocations, oneDNN primitive caches
         shorts, longs, records = [], [], []
@@ -275,7 +277,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--short", type=int, default=8, help="tokens of the short request")
     parser.add_argument("--repeats", type=int, default=3, help="long/short pairs per configuration (min of each)")
     parser.add_argument("--context-length", type=int, default=2048)
-    parser.add_argument("--mem-fraction", type=float, default=0.3, help="--mem-fraction-static of the servers")
+    parser.add_argument(
+        "--mem-fraction",
+        type=float,
+        default=None,
+        help="--mem-fraction-static of the servers (default: the launcher's, which holds their fixed KV pool)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json, report.md, round_cost.png")
     args = parser.parse_args(argv)
 

@@ -24,9 +24,9 @@ STAMP="$VENV/.sglang_tts_setup"
 say() { printf '[setup] %s\n' "$*"; }
 
 # SGLang's NGRAM speculation drafts from a C++ corpus that SGLang compiles on first use (cached under
-# ~/.cache/sglang/jit). Compiled at a server's launch, the compiler's memory is counted against the KV
-# cache (SGLang measures free memory before and after loading), which failed NGRAM launches on fresh
-# machines: build it here, once.
+# ~/.cache/sglang/jit). Compiled at a server's launch, it slows that launch, and until the CPU layer
+# counted only a server's own memory (docs/cpu.md#memory) the compiler's memory was charged to the KV
+# cache, which failed NGRAM launches on fresh machines: build it here, once.
 build_ngram_corpus() {
   local out
   if out=$("$VPY" -W ignore -c "from sglang.kernels.ops.speculative.ngram_corpus import get_ngram_corpus_cls as g; g()" 2>&1); then

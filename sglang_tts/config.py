@@ -24,6 +24,20 @@ class TTSConfig:
     # One gradient step every `update_stride` verify rounds, on the latest round's canvas only
     # (paper, appendix C.1). 5 keeps about 2/3 of the S=1 gain at a fraction of the cost.
     update_stride: int = 5
+    # Set when --tts-update-stride is given: the stride stays where it is put. Otherwise the update
+    # budget (core/budget.py) moves it within [min_stride, max_stride], starting at update_stride.
+    stride_pinned: bool = False
+    # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
+    # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
+    update_budget: float | None = None
+    min_stride: int = 1
+    max_stride: int = 32
+    # Do no harm (core/guard.py): score the adapted drafter against the base drafter on each update's
+    # canvas; reset a unit (shared drafter / request adapter) that is worse over `guard_window` updates
+    # by more than `guard_margin` (relative) and by more than two standard errors of the paired scores.
+    guard: bool = True
+    guard_window: int = 16
+    guard_margin: float = 0.02
     # 3e-5..1e-4 helped in the small-scale check; 3e-4 and above hurt (notes/premise-test).
     lr: float = 1e-4
     # lambda of the KL(q_t || q) regulariser; 0 disables it (saves one no-grad drafter forward).
@@ -157,7 +171,23 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-prompt-lr must be in (0, 0.1], got {self.prompt_lr!r}")
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
+        if self.update_budget is not None and not (0.0 < self.update_budget < 1.0):
+            raise TTSConfigError(f"--tts-update-budget must be 'auto' or a share in (0, 1), got {self.update_budget!r}")
+        for flag, value in (("--tts-min-stride", self.min_stride), ("--tts-max-stride", self.max_stride)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise TTSConfigError(f"{flag} must be an integer >= 1, got {value!r}")
+        if self.min_stride > self.max_stride:
+            raise TTSConfigError(f"--tts-min-stride {self.min_stride} is above --tts-max-stride {self.max_stride}")
+        if not isinstance(self.guard_window, int) or isinstance(self.guard_window, bool) or self.guard_window < 1:
+            raise TTSConfigError(f"--tts-guard-window must be an integer >= 1, got {self.guard_window!r}")
+        if not (0.0 <= self.guard_margin < 1.0):
+            raise TTSConfigError(f"--tts-guard-margin must be in [0, 1), got {self.guard_margin!r}")
         return self
+
+    @property
+    def governed_stride(self) -> bool:
+        """Does the update budget move the stride? (not when pinned, frozen or run by the controller)"""
+        return not self.stride_pinned and self.verify_updates and self.controller is None
 
     def _check_finite(self) -> None:
         """Every number must be finite: NaN passes each `< 0` check and Inf each `> 0` one, and

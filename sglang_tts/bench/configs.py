@@ -87,7 +87,7 @@ SCOPES = ("batch", "request", "global")
 _TAG = r"[A-Za-z0-9_.-]+"  # a --variant tag, as written after "+" in a configuration name
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
-    r"(?P<base>no-spec|ngram|stock|frozen|tts-s(?P<stride>[0-9]+)(?P<sync>-sync)?"
+    r"(?P<base>no-spec|ngram|stock|frozen|tts(?:-s(?P<stride>[0-9]+))?(?P<sync>-sync)?"
     rf"(?:-(?P<scope>{'|'.join(SCOPES)})(?:-r(?P<rank>[0-9]+|full))?)?)"
     rf"(?P<tags>(?:\+{_TAG})*)$"
 )
@@ -103,7 +103,7 @@ class ConfigSpec:
 
     variant: str  # "no-spec" | "ngram" | "stock" | "frozen" | "tts"
     kind: str | None = None
-    stride: int | None = None
+    stride: int | None = None  # "tts": None leaves the stride to the update budget (--tts-update-budget)
     sync: bool = False
     scope: str | None = None  # --tts-scope; None: the server's default
     adapter_rank: int | str | None = None  # --tts-adapter-rank: R or "full" (scope "request" only)
@@ -113,7 +113,7 @@ class ConfigSpec:
     def base_name(self) -> str:
         name = self.variant
         if self.variant == "tts":
-            name = f"tts-s{self.stride}" + ("-sync" if self.sync else "")
+            name = ("tts" if self.stride is None else f"tts-s{self.stride}") + ("-sync" if self.sync else "")
             if self.scope is not None:
                 name += f"-{self.scope}"
             if self.adapter_rank is not None:
@@ -162,7 +162,8 @@ def parse_config_name(text: str) -> ConfigSpec:
     match = _NAME.match(text.strip())
     if match is None:
         raise ConfigError(
-            f"unknown configuration {text!r}: use no-spec, ngram, stock, frozen, tts-s<S> or tts-s<S>-sync, a TTS "
+            f"unknown configuration {text!r}: use no-spec, ngram, stock, frozen, tts (the update budget picks the "
+            f"stride), tts-s<S> or tts-s<S>-sync, a TTS "
             f"name optionally ending in a scope (-batch, -global, -request, -request-r<R>), any name but no-spec and "
             f"ngram optionally prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5-request-r8"
         )
@@ -177,8 +178,8 @@ def parse_config_name(text: str) -> ConfigSpec:
         return ConfigSpec(base, tags=tags)
     if base in ("stock", "frozen"):
         return ConfigSpec(base, kind, tags=tags)
-    stride = int(match["stride"])
-    if stride < 1:
+    stride = None if match["stride"] is None else int(match["stride"])
+    if stride is not None and stride < 1:
         raise ConfigError(f"{text!r}: the update stride must be >= 1")
     scope, rank = match["scope"], match["rank"]
     if rank is not None and scope != "request":
@@ -236,7 +237,8 @@ def tts_server_args(
         return args
     if spec.variant == "frozen":
         return [*args, "--tts-freeze"]
-    args += ["--tts-update-stride", str(spec.stride)]
+    if spec.stride is not None:
+        args += ["--tts-update-stride", str(spec.stride)]
     if tts_lr is not None:
         args += ["--tts-lr", repr(tts_lr)]
     if spec.sync:

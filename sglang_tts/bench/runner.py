@@ -406,7 +406,7 @@ class RunnerSettings:
     warmup_tokens: int = 32  # 0: no warm-up request
     request_timeout_s: float = 3600.0
     server_timeout_s: float = 900.0
-    cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(model, kv_tokens)
+    cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(kv_tokens)
     kv_tokens: int | None = None  # KV pool the waves need (server.kv_pool_tokens); None: the CPU default
     server_env: dict[str, str] = field(default_factory=dict)
     log_dir: str | None = None

@@ -44,6 +44,14 @@ def free_port(attempts: int = 64) -> int:
 
 CPU_KV_TOKENS = 8192  # the KV pool of one long request; kv_pool_tokens raises it for a wave of them
 
+# The share of the memory free at a CPU server's start that its weights and KV pool may take. The pool is
+# fixed by --max-total-tokens, so this decides only when SGLang refuses to start, never how much it
+# allocates: high, so that SGLang refuses only when the weights and that pool do not fit the free memory,
+# and a tenth left for what SGLang does not preallocate (activations, the runtime's own buffers). A small
+# fraction made the pool depend on the memory other processes held or took while the server loaded
+# (docs/cpu.md, "Memory").
+CPU_MEM_FRACTION_STATIC = 0.9
+
 CPU_DEFAULT_ARGS = (
     "--device",
     "cpu",
@@ -54,10 +62,15 @@ CPU_DEFAULT_ARGS = (
     "float32",
     "--max-total-tokens",
     str(CPU_KV_TOKENS),
+    "--mem-fraction-static",
+    str(CPU_MEM_FRACTION_STATIC),
     "--skip-server-warmup",
     # The scheduler busy-polls a core when idle otherwise: on a 2-core machine that halves everything else.
     "--sleep-on-idle",
 )
+
+# SGLang's words when the loaded weights leave no room for a KV pool (KVCacheConfigurator._profile_available_bytes).
+KV_REFUSAL = "leave no GPU memory for the KV cache"
 
 
 def kv_pool_tokens(prompt_lengths: Sequence[int], max_new_tokens: int, concurrency: int) -> int:
@@ -68,41 +81,42 @@ def kv_pool_tokens(prompt_lengths: Sequence[int], max_new_tokens: int, concurren
     return max(CPU_KV_TOKENS, sum(n + max_new_tokens + 64 for n in longest))
 
 
-def kv_bytes_per_token(model_path: str | os.PathLike[str]) -> int:
-    """fp32 K and V of every layer for one token, from the model's config.json (0 when it has none)."""
-    config = pathlib.Path(model_path) / "config.json"
-    if not config.is_file():
-        return 0
-    c = json.loads(config.read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * 4 * c["num_hidden_layers"] * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
-
-
-def cpu_mem_fraction(model_path: str | os.PathLike[str], total_bytes: int | None = None, kv_tokens: int = 0) -> float:
-    """--mem-fraction-static for a CPU server of this model: SGLang counts the CPU layer's packed linear
-    weights as weights too, so room for three copies of the fp32 checkpoint and 0.5 GiB (at least 0.1, the
-    value that fits SmolLM2-135M; Qwen2.5-Coder-0.5B gets 0.33 of 24 GiB), plus a KV pool of `kv_tokens`
-    beyond CPU_KV_TOKENS (with a quarter more for the drafter's pool). A bound, not an allocation:
-    --max-total-tokens caps the KV pool."""
-    folder = pathlib.Path(model_path)
-    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
-    if total_bytes is None:
-        total_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    kv = 1.25 * max(0, kv_tokens - CPU_KV_TOKENS) * kv_bytes_per_token(folder)
-    return max(0.1, min(0.8, round((3 * weights + 2**29 + kv) / total_bytes, 2)))
-
-
-def cpu_default_args(model_path: str | os.PathLike[str], kv_tokens: int | None = None) -> tuple[str, ...]:
-    """CPU_DEFAULT_ARGS and the --mem-fraction-static this model needs (cpu_mem_fraction); with `kv_tokens`
-    above CPU_KV_TOKENS (kv_pool_tokens of a benchmark's waves), a KV pool of that many tokens."""
-    pool = max(CPU_KV_TOKENS, kv_tokens or 0)
+def cpu_default_args(kv_tokens: int | None = None) -> tuple[str, ...]:
+    """CPU_DEFAULT_ARGS with a KV pool of `kv_tokens` when that is above CPU_KV_TOKENS (kv_pool_tokens of a
+    benchmark's waves). The pool is always fixed: SGLang's own sizing reads the machine's free memory."""
     args = list(CPU_DEFAULT_ARGS)
-    args[args.index("--max-total-tokens") + 1] = str(pool)
-    return (*args, "--mem-fraction-static", str(cpu_mem_fraction(model_path, kv_tokens=pool)))
+    args[args.index("--max-total-tokens") + 1] = str(max(CPU_KV_TOKENS, kv_tokens or 0))
+    return tuple(args)
 
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def check_kv_pool(info: dict) -> None:
+    """Raise unless SGLang gave the server the whole KV pool --max-total-tokens asked for (`info`: its
+    /server_info). SGLang only warns when the memory it may use holds less ("max_total_tokens=N is larger
+    than the profiled value"), and a benchmark would then measure a server that queues part of a wave."""
+    cap, pool = info.get("max_total_tokens"), info.get("max_total_num_tokens")
+    if cap is None or pool is None:
+        return
+    page = info.get("page_size") or 1
+    if pool < cap // page * page:
+        raise ServerStartError(
+            f"SGLang sized the KV pool to {pool} tokens, below --max-total-tokens {cap}: the machine lacks the "
+            f"memory for that pool beside the weights (with --mem-fraction-static "
+            f"{info.get('mem_fraction_static')} of the memory free at start)"
+        )
+
+
+def _memory_hint(log_tail: str) -> str:
+    """What SGLang's refusal of a KV pool means on CPU, where its message speaks of GPU memory."""
+    if KV_REFUSAL not in log_tail:
+        return ""
+    return (
+        "\nThe machine lacks the memory for the weights and the KV pool: on CPU, SGLang's 'GPU memory' is the"
+        " machine's free memory (docs/cpu.md, section Memory). Free some, or lower --max-total-tokens."
+    )
 
 
 @dataclass
@@ -122,6 +136,11 @@ class ServerProcess:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def server_info(self) -> dict:
+        """SGLang's /server_info: the resolved server arguments and the scheduler's state."""
+        with urllib.request.urlopen(self.base_url + "/server_info", timeout=30) as r:
+            return json.load(r)
+
     def healthy(self) -> bool:
         try:
             with urllib.request.urlopen(self.base_url + "/health", timeout=5) as r:
@@ -134,9 +153,10 @@ def _wait_healthy(server: ServerProcess, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not server.alive():
+            tail = server.log_tail()
             raise ServerStartError(
-                f"SGLang server exited with code {server.proc.returncode} during startup; log tail:\n"
-                + server.log_tail()
+                f"SGLang server exited with code {server.proc.returncode} during startup; log tail:\n{tail}"
+                + _memory_hint(tail)
             )
         if server.healthy():
             return
@@ -153,7 +173,8 @@ def start_server(
     log_dir: str | None = None,
     kv_tokens: int | None = None,
 ) -> ServerProcess:
-    """`cpu_defaults`: add cpu_default_args(model_path, kv_tokens) before `extra_args` (which win)."""
+    """`cpu_defaults`: add cpu_default_args(kv_tokens) before `extra_args` (which win), and fail unless the
+    server got the whole KV pool they ask for (check_kv_pool)."""
     port = free_port()
     args = [
         sys.executable,
@@ -165,7 +186,7 @@ def start_server(
         "127.0.0.1",
         "--port",
         str(port),
-        *(cpu_default_args(model_path, kv_tokens) if cpu_defaults else ()),
+        *(cpu_default_args(kv_tokens) if cpu_defaults else ()),
         *extra_args,
     ]
     log_file = tempfile.NamedTemporaryFile(prefix=f"sglang-{port}-", suffix=".log", dir=log_dir, delete=False, mode="w")
@@ -177,6 +198,8 @@ def start_server(
     server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, pathlib.Path(log_file.name), args)
     try:
         _wait_healthy(server, timeout_s)
+        if cpu_defaults:
+            check_kv_pool(server.server_info())
     except BaseException:
         stop_server(server)
         raise

@@ -342,6 +342,10 @@ class AdaptedDrafter(nn.Module):
         """The drafter layer (e.g. 'fc') a bank parameter adapts."""
         return self.bank.layers[self.bank.layer_of_parameter(name)].name
 
+    def slot_parameter_names(self, slot: int) -> list[str]:
+        """The trained parameters of one request's adapter (what a reset of that request restores)."""
+        return self.bank.slot_parameter_names(slot)
+
     def isolation_groups(self, names: Sequence[str]) -> list[list[int]]:
         """Indices into `names` grouped by slot: gradient clipping is per request."""
         groups: dict[int, list[int]] = {}

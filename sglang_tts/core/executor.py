@@ -89,6 +89,11 @@ class UpdateExecutor(ABC):
     def pending(self) -> bool:
         """An update was submitted and wait() has not yet returned its result."""
 
+    @property
+    def running(self) -> bool:
+        """An update is still computing (pending and not finished); inline updates never are."""
+        return False
+
     @abstractmethod
     def submit(self, fn: Callable[[], Any]) -> None: ...
 
@@ -161,6 +166,11 @@ class _WorkerThreadExecutor(UpdateExecutor):
     @property
     def pending(self) -> bool:
         return self._pending_job is not None
+
+    @property
+    def running(self) -> bool:
+        job = self._pending_job
+        return job is not None and not job.done.is_set()
 
     def submit(self, fn: Callable[[], Any]) -> None:
         if self._pending_job is not None:

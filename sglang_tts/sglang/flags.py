@@ -55,9 +55,43 @@ def _policy_path(text: str) -> str | None:
     return None if text.strip().lower() == "none" else text
 
 
+def _budget(text: str) -> float | None:
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a share of time in (0, 1), got {text!r}") from None
+
+
+def _on_off(text: str) -> bool:
+    value = text.strip().lower()
+    if value not in ("on", "off"):
+        raise argparse.ArgumentTypeError(f"expected 'on' or 'off', got {text!r}")
+    return value == "on"
+
+
 # flag -> (TTSConfig field, argparse kwargs)
 FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
-    "--tts-update-stride": ("update_stride", {"type": _positive_int, "help": "Update the drafter every S rounds."}),
+    "--tts-update-stride": (
+        "update_stride",
+        {"type": _positive_int, "help": "Update the drafter every S rounds (pins S; default: the budget moves it)."},
+    ),
+    "--tts-update-budget": (
+        "update_budget",
+        {
+            "type": _budget,
+            "help": "Share of serving time updates may take, e.g. 0.1; 'auto' (default): the measured acceptance gain.",
+        },
+    ),
+    "--tts-min-stride": ("min_stride", {"type": _positive_int, "help": "Shortest stride the update budget may pick."}),
+    "--tts-max-stride": ("max_stride", {"type": _positive_int, "help": "Longest stride the update budget may pick."}),
+    "--tts-guard": (
+        "guard",
+        {"type": _on_off, "metavar": "on|off", "help": "Do-no-harm guard: reset a drafter worse than base."},
+    ),
+    "--tts-guard-window": ("guard_window", {"type": _positive_int, "help": "Updates the guard compares over."}),
+    "--tts-guard-margin": ("guard_margin", {"type": float, "help": "Relative shortfall that resets (e.g. 0.02)."}),
     "--tts-lr": ("lr", {"type": float, "help": "Learning rate of the online update."}),
     "--tts-reg-lambda": ("reg_lambda", {"type": float, "help": "Weight of KL(q_t || q) (matters when K > 1)."}),
     "--tts-steps-per-update": ("steps_per_update", {"type": _positive_int, "help": "Optimizer steps per update."}),
@@ -167,7 +201,8 @@ def add_tts_cli_args(parser: argparse.ArgumentParser) -> None:
         reset_env()
     group = parser.add_argument_group("Test-Time Speculation (sglang-tts; with --speculative-algorithm TTS)")
     for flag, (field, kwargs) in FLAGS.items():
-        metavar = None if kwargs.get("nargs") == 0 or "choices" in kwargs else field.upper()
+        kwargs = dict(kwargs)
+        metavar = kwargs.pop("metavar", None if kwargs.get("nargs") == 0 or "choices" in kwargs else field.upper())
         group.add_argument(flag, dest=f"tts_{field}", metavar=metavar, action=_RecordTTSFlag, default=None, **kwargs)
 
 
@@ -183,6 +218,8 @@ def config_from_values(values: dict[str, Any]) -> TTSConfig:
     if unknown:
         raise TTSConfigError(f"unknown TTS settings: {sorted(unknown)}")
     converted = {k: tuple(v) if isinstance(v, list) else v for k, v in values.items()}
+    if "update_stride" in converted:  # given at launch: the budget does not move it
+        converted["stride_pinned"] = True
     return TTSConfig(**converted).validate()
 
 

@@ -46,6 +46,9 @@ SCALAR_KEYS = (
     "tts_prompt_positions",
     "tts_prompt_steps",
     "tts_prompt_ms",
+    "tts_guard_resets",
+    "tts_update_stride",
+    "tts_update_share",
 )
 ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
@@ -124,6 +127,9 @@ def write_request_info(
         "tts_prompt_positions": counters.prompt_positions,
         "tts_prompt_steps": counters.prompt_steps,
         "tts_prompt_ms": round(counters.prompt_ms, 3),
+        "tts_guard_resets": counters.guard_resets,
+        "tts_update_stride": counters.update_stride,
+        "tts_update_share": round(counters.update_share, 4),
     }
     if digest is not None:
         if counters.digest_start is None:
@@ -262,6 +268,28 @@ class SchedulerMetrics:
             ["step"],
             multiprocess_mode="mostrecent",
         )
+        self.guard_resets = Counter(
+            "sglang_tts:guard_resets_total", "Adapted drafters the do-no-harm guard reset to base (worse than base)"
+        )
+        self.guard_gain = Gauge(
+            "sglang_tts:guard_gain",
+            "Measured acceptance gain of the adapted drafter over base (guard windows, pooled)",
+            multiprocess_mode="mostrecent",
+        )
+        self.update_stride = Gauge("sglang_tts:update_stride", "Update stride in force", multiprocess_mode="mostrecent")
+        self.update_budget = Gauge(
+            "sglang_tts:update_budget", "Share of serving time updates may take", multiprocess_mode="mostrecent"
+        )
+        self.update_share = Gauge(
+            "sglang_tts:update_share",
+            "Measured share of serving time the updates took (since start)",
+            multiprocess_mode="mostrecent",
+        )
+        self.update_cost_seconds = Gauge(
+            "sglang_tts:update_cost_seconds",
+            "Serving time one update costs (EMA; blocked time plus the slowdown of the rounds it overlaps)",
+            multiprocess_mode="mostrecent",
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
@@ -283,6 +311,16 @@ class SchedulerMetrics:
             self.skipped.inc(skipped)
         self.wait_seconds.inc(max(stats.wait_ms_total - self._last_wait_ms, 0.0) / 1000.0)
         self._last_wait_ms = stats.wait_ms_total
+
+    def observe_budget(self, state, measured_share: float) -> None:
+        """The update budget after an update (core/budget.py BudgetState)."""
+        self.update_stride.set(state.stride)
+        self.update_budget.set(state.budget)
+        self.update_share.set(measured_share)
+        if state.cost_ms == state.cost_ms:  # not NaN
+            self.update_cost_seconds.set(state.cost_ms / 1000.0)
+        if state.gain == state.gain:
+            self.guard_gain.set(state.gain)
 
     def observe_prompt_update(self, applied: int, skipped: int, ms: float, positions: int, stats) -> None:
         if applied:

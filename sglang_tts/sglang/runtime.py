@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import os
+import time
 import weakref
 from collections import deque
 from dataclasses import dataclass
@@ -19,9 +21,11 @@ import torch
 
 from sglang_tts.config import TTSConfig
 from sglang_tts.core.adapters import SlotTable
+from sglang_tts.core.budget import StrideGovernor
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.distiller import Distiller
-from sglang_tts.core.executor import make_executor
+from sglang_tts.core.executor import UpdateResult, make_executor
+from sglang_tts.core.guard import SCOPE_UNIT
 from sglang_tts.core.prompt import PromptWindow, collate_windows, cut_window
 from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.scope import make_scope
@@ -62,6 +66,9 @@ class RequestCounters:
     prompt_steps: int = 0
     prompt_ms: float = 0.0  # run time of the prompt update(s) that included this request
     failures: int = 0  # TTS work that failed in rounds of this request (skipped; output unaffected)
+    guard_resets: int = 0  # do-no-harm resets of the drafter this request drafted with (core/guard.py)
+    update_stride: int = 0  # the update stride in force at the request's last round
+    update_share: float = 0.0  # the measured share of serving time updates took, at its last round
 
 
 class TTSRuntime:
@@ -110,11 +117,25 @@ class TTSRuntime:
         self.failures.on_failure = self._count_failure
         if serving_adapters is not None:
             serving_adapters.failures = self.failures
+        # The update budget (core/budget.py): measures what updates cost serving, and moves the stride
+        # unless it is pinned (--tts-update-stride) or the controller owns it.
+        self.governor = StrideGovernor(
+            config.update_stride, config.update_budget, min_stride=config.min_stride, max_stride=config.max_stride
+        )
+        self._round_start: tuple[float, int, bool] | None = None  # (time, batch size, touched) of the open round
+        self._stride_due = False  # a finished update asks the governor for the next stride
+        self.distiller.on_update_done = self._update_done
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""
         cfg = self.config
         mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else "async")
+        if cfg.governed_stride:
+            budget = "auto" if cfg.update_budget is None else f"{cfg.update_budget:g}"
+            stride = f"stride {cfg.update_stride} (update budget {budget}: {cfg.min_stride}..{cfg.max_stride})"
+        else:
+            stride = f"stride {cfg.update_stride}"
+        guard = f", guard {cfg.guard_window} updates / {cfg.guard_margin:g}" if cfg.guard else ", no guard"
         adapters = ""
         if self.slots is not None:
             slot_mb = self.drafter.bank.slot_nbytes() / 2**20
@@ -126,7 +147,7 @@ class TTSRuntime:
                 f"{cfg.prompt_steps} steps at lr {cfg.prompt_step_lr:g}, depth {cfg.prompt_depth})"
             )
         return (
-            f"stride {cfg.update_stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}{prompt}, "
+            f"{stride}, lr {cfg.lr:g}, scope {cfg.scope}{adapters}, {mode}{prompt}{guard}, "
             f"{len(self.distiller.train_params)} trainable tensors"
         )
 
@@ -135,6 +156,7 @@ class TTSRuntime:
     def before_draft(self, live_request_ids: list[str]) -> None:
         """Scope end -> reset to base; then the CPU-side barrier: a due update is finished and
         published before this round's draft reads the weights."""
+        self._time_round(len(live_request_ids))
         live = set(live_request_ids)
         live.update(req.rid for reqs, _ in self._unreported for req in reqs)  # their report is still due
         for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
@@ -146,12 +168,44 @@ class TTSRuntime:
         self._prefilled.clear()
         if self.slots is not None:
             for slot in self.slots.retain(live):  # finished, aborted or retracted: the adapter goes
-                self.distiller.reset_parameters(self.drafter.bank.slot_parameter_names(slot))
+                self.distiller.reset_parameters(self.drafter.bank.slot_parameter_names(slot), unit=slot)
         if self.scope.before_round(live_request_ids):
             self._absorbing(self.distiller.reset)
         self._absorbing(self.distiller.barrier)
+        if self._stride_due and not self.distiller.executor.pending:
+            self._stride_due = False
+            stride = self.governor.decide()
+            if self.config.governed_stride and stride != self.config.update_stride:
+                self.distiller.set_update_stride(stride)
         if self.metrics is not None:
             self.metrics.tracked_requests.set(self.num_tracked())
+
+    # --- the update budget ----------------------------------------------------------------------
+
+    def _time_round(self, batch_size: int) -> None:
+        """A decode round starts: the one before it (if nothing else ran in between) took from its
+        start to now. Touched: an update was still running when it started, or it submitted one."""
+        now = time.perf_counter()
+        if self._round_start is not None:
+            start, size, touched = self._round_start
+            self.governor.round_done(now - start, size, touched)
+        self._round_start = (now, batch_size, self.distiller.executor.running)
+
+    def _round_interrupted(self) -> None:
+        """A prefill (or anything that is not a decode round) ran: the open round's time is not a round's."""
+        self._round_start = None
+
+    def _update_done(self, result: UpdateResult) -> None:
+        """The Distiller absorbed an update (serving thread): its cost and the guard's gain go to the budget."""
+        timing = result.timing
+        self.governor.update_done(timing.run_s, timing.wait_blocked_s, self.distiller.executor.inline)
+        gain = self.distiller.stats.guard_gain
+        self.governor.observe_gain(None if math.isnan(gain) else gain)
+        self._stride_due = True
+        if self.config.log_interval and self.governor.num_updates % 10 == 0:
+            logger.info("TTS update budget: %s", self.governor.state())
+        if self.metrics is not None:
+            self.metrics.observe_budget(self.governor.state(), self.governor.measured_share)
 
     def remember_prompt(self, req, token_ids: torch.Tensor, features: torch.Tensor, start: int) -> None:
         """A prefill computed the drafter's inputs at positions start .. start + T - 1 of `req`:
@@ -207,6 +261,7 @@ class TTSRuntime:
     def begin_prefill(self, reqs) -> None:
         """Before a prefill batch's anchors are remembered: forget the requests of earlier prefills
         that have finished (or are gone) without reaching a decode round."""
+        self._round_interrupted()
         for rid, ref in list(self._prefilled.items()):
             req = ref()
             if req is None or req.finished():
@@ -233,6 +288,7 @@ class TTSRuntime:
         tokens afresh. They hold no slot yet (row 0: the base drafter); without this the table still
         maps the last decode batch, and a new request that reuses a finished one's req_pool_idx
         would draft its prompt with that request's adapter."""
+        self._round_interrupted()
         if self.slots is None:
             return
         with self.failures.absorb("adapter_map", [req.rid for req in reqs]):
@@ -273,6 +329,8 @@ class TTSRuntime:
         if canvas is not None:
             self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
+        if submitted and self._round_start is not None:
+            self._round_start = (*self._round_start[:2], True)
         if submitted:
             rows = canvas.request_ids
             if canvas.slots is not None:  # requests without an adapter were not trained
@@ -285,8 +343,13 @@ class TTSRuntime:
 
     def count_round(self, accept_lengths: dict[str, int]) -> None:
         """A verify round's acceptance, on the host: per-request round counts and Prometheus."""
+        stride, share = self.config.update_stride, self.governor.measured_share
         for rid in accept_lengths:
-            self.counters(rid).rounds += 1
+            c = self.counters(rid)
+            c.rounds += 1
+            c.update_stride, c.update_share = stride, share
+        if accept_lengths:
+            self.governor.observe_tokens(sum(accept_lengths.values()) / len(accept_lengths))
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
 
@@ -416,6 +479,7 @@ class TTSRuntime:
         """Call a distiller method that may collect a finished update; attribute it to the
         requests whose canvas it trained on."""
         stats = self.distiller.stats
+        guard_before = stats.num_guard_resets
         before = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
         prompt_before = (stats.num_prompt_updates, stats.num_skipped_prompt_updates, stats.prompt_ms_total)
         resets, failed_publishes = stats.num_resets, stats.num_failed_publishes
@@ -426,6 +490,8 @@ class TTSRuntime:
                 self.metrics.observe_publishing(
                     stats.num_resets - resets, stats.num_failed_publishes - failed_publishes
                 )
+            if stats.num_guard_resets != guard_before:
+                self._credit_guard_resets(self.distiller.last_guard_resets, stats.num_guard_resets - guard_before)
         prompt_after = (stats.num_prompt_updates, stats.num_skipped_prompt_updates, stats.prompt_ms_total)
         if prompt_after != prompt_before:
             self._prompt_done(
@@ -445,6 +511,16 @@ class TTSRuntime:
                 self.metrics.observe_update(after[0] - before[0], after[1] - before[1], after[2] - before[2], stats)
             self._pending_rids = []
         return out
+
+    def _credit_guard_resets(self, units: list[int], count: int) -> None:
+        """The guard reset `units`: count it for the requests that drafted with them."""
+        holders = {slot: rid for rid, slot in self.slots.slot_of.items()} if self.slots is not None else {}
+        for unit in units:
+            rids = list(self.requests) if unit == SCOPE_UNIT else [holders[unit]] if unit in holders else []
+            for rid in rids:
+                self.counters(rid).guard_resets += 1
+        if self.metrics is not None:
+            self.metrics.guard_resets.inc(count)
 
     def _prompt_done(self, kept: int, skipped: int, ms: float) -> None:
         """A prompt update finished: credit its requests (positions and steps only if it was kept)."""

@@ -1,23 +1,35 @@
 """The test/benchmark server launcher: its port choice (CI once lost a server start to a port race) and the
-CPU launch defaults (memory, and a KV pool for a wave of long requests)."""
+CPU launch defaults (a fixed KV pool that other processes' memory cannot shrink or refuse, and one large
+enough for a wave of long requests)."""
 
 from __future__ import annotations
 
-import json
 import pathlib
 import socket
+import subprocess
+import sys
+
+import pytest
 
 from sglang_tts.bench.server import (
     CPU_DEFAULT_ARGS,
     CPU_KV_TOKENS,
+    CPU_MEM_FRACTION_STATIC,
     HTTP_PORTS,
+    ServerProcess,
+    ServerStartError,
+    _wait_healthy,
+    check_kv_pool,
     cpu_default_args,
-    cpu_mem_fraction,
     free_port,
-    kv_bytes_per_token,
     kv_pool_tokens,
 )
 from sglang_tts.bench.workload import BenchPrompt, prompt_token_counts
+from sglang_tts.testing.kv_budget import kv_budget_bytes
+
+GIB = 2**30
+# The KV pool the launcher asks for SmolLM2-135M: 8,192 tokens of fp32 K and V, 30 layers of 3 heads of 64.
+SMOLLM2_POOL_BYTES = CPU_KV_TOKENS * 2 * 4 * 30 * 3 * 64
 
 
 def _ephemeral_low() -> int:
@@ -52,46 +64,67 @@ def test_a_port_in_use_is_never_returned():
             s.close()
 
 
-def test_cpu_memory_fraction_leaves_room_for_the_models_weights(tmp_path):
-    gib = 2**30
-    small, large = tmp_path / "small", tmp_path / "large"
-    for folder, size in ((small, 540 * 2**20), (large, int(2.5 * gib))):  # SmolLM2-135M, Qwen2.5-Coder-0.5B
-        folder.mkdir()
-        with open(folder / "model.safetensors", "wb") as f:
-            f.truncate(size)  # sparse: only the size counts
-    assert cpu_mem_fraction(small, total_bytes=24 * gib) == 0.1  # the old fixed default, unchanged
-    assert cpu_mem_fraction(large, total_bytes=24 * gib) == 0.33  # three copies and 0.5 GiB: 8 of 24 GiB
-    assert cpu_mem_fraction(large, total_bytes=8 * gib) == 0.8  # capped
-    args = cpu_default_args(large)
-    assert args[args.index("--mem-fraction-static") + 1] == str(cpu_mem_fraction(large))
-    assert args[: len(CPU_DEFAULT_ARGS)] == CPU_DEFAULT_ARGS and len(args) == len(CPU_DEFAULT_ARGS) + 2
-
-
 def _value(args, flag: str) -> str:
     return args[args.index(flag) + 1]
 
 
-def test_a_wave_of_long_requests_gets_the_kv_pool_it_needs(tmp_path):
+def test_cpu_servers_ask_for_a_fixed_kv_pool_and_most_of_the_free_memory():
+    args = cpu_default_args()
+    assert args == CPU_DEFAULT_ARGS
+    assert _value(args, "--max-total-tokens") == str(CPU_KV_TOKENS)
+    assert _value(args, "--mem-fraction-static") == str(CPU_MEM_FRACTION_STATIC)
+
+
+def _start(free_at_start: int, neighbour_bytes: int, mem_fraction_static: float) -> int:
+    """SGLang's KV budget (stock accounting, as without the CPU layer) for 1 GiB of weights, while a
+    neighbour allocates `neighbour_bytes`."""
+    machine = {"free": free_at_start}
+
+    def load() -> None:
+        machine["free"] -= GIB + neighbour_bytes
+
+    return kv_budget_bytes(mem_fraction_static, lambda: machine["free"], load)
+
+
+def test_a_neighbour_allocating_during_the_load_leaves_the_launchers_pool():
+    # The CI failure: at --mem-fraction-static 0.1 of 20 GiB free, a neighbour's 2 GiB leave SGLang nothing.
+    with pytest.raises(ValueError, match="Loaded weights leave no GPU memory for the KV cache"):
+        _start(20 * GIB, 2 * GIB, 0.1)
+    # The launcher's fraction holds the pool beside a neighbour taking 10 of the 20 GiB, or on a machine
+    # that had only 3 GiB free; --max-total-tokens then fixes the pool at exactly what was asked.
+    assert _start(20 * GIB, 10 * GIB, CPU_MEM_FRACTION_STATIC) > SMOLLM2_POOL_BYTES
+    assert _start(3 * GIB, 0, CPU_MEM_FRACTION_STATIC) > SMOLLM2_POOL_BYTES
+
+
+def test_a_server_given_less_kv_pool_than_asked_fails_to_start():
+    check_kv_pool({"max_total_tokens": 8192, "max_total_num_tokens": 8192, "page_size": 1})
+    check_kv_pool({"max_total_tokens": 8200, "max_total_num_tokens": 8192, "page_size": 16})  # whole pages of it
+    check_kv_pool({"max_total_tokens": None, "max_total_num_tokens": 1000})  # no cap asked: SGLang's sizing
+    short = {"max_total_tokens": 8192, "max_total_num_tokens": 5000, "page_size": 1, "mem_fraction_static": 0.9}
+    with pytest.raises(ServerStartError, match="5000 tokens, below --max-total-tokens 8192"):
+        check_kv_pool(short)
+
+
+def test_sglangs_refusal_of_a_kv_pool_is_explained(tmp_path):
+    log = tmp_path / "server.log"
+    refusal = "ValueError: Loaded weights leave no GPU memory for the KV cache under --mem-fraction-static=0.9."
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", f"print({refusal!r}); raise SystemExit(1)"], stdout=out)
+    proc.wait()
+    with pytest.raises(ServerStartError, match="lacks the memory for the weights and the KV pool"):
+        _wait_healthy(ServerProcess("http://127.0.0.1:9", 9, proc, log), timeout_s=10)
+
+
+def test_a_wave_of_long_requests_gets_the_kv_pool_it_needs():
     # Eight long-context prompts of up to 5K tokens and 1,024-token answers need ~50K tokens at once: the
     # CPU default of 8,192 made SGLang queue half of such a wave.
     lengths = [5200, 4700, 3100, 1200, 900, 2500, 3900, 1800, 800]
     assert kv_pool_tokens(lengths, 1024, 8) == sum(sorted(lengths)[1:]) + 8 * (1024 + 64)
     assert kv_pool_tokens(lengths, 1024, 1) == CPU_KV_TOKENS  # one request fits the default
-    qwen = tmp_path / "qwen"  # Qwen2.5-Coder-0.5B: 24 layers, 2 KV heads of 64
-    qwen.mkdir()
-    config = {"hidden_size": 896, "num_attention_heads": 14, "num_key_value_heads": 2, "num_hidden_layers": 24}
-    (qwen / "config.json").write_text(json.dumps(config))
-    with open(qwen / "model.safetensors", "wb") as f:
-        f.truncate(int(2.5 * 2**30))
-    assert kv_bytes_per_token(qwen) == 2 * 4 * 24 * 2 * 64
-    gib = 2**30
-    assert cpu_mem_fraction(qwen, total_bytes=24 * gib, kv_tokens=CPU_KV_TOKENS) == 0.33  # as without a pool
-    # 57,344 more tokens of 24 KiB, a quarter more for the drafter's pool: 1.7 GiB more
-    assert cpu_mem_fraction(qwen, total_bytes=24 * gib, kv_tokens=65536) == 0.4
-    args = cpu_default_args(qwen, kv_tokens=65536)
+    args = cpu_default_args(kv_tokens=65536)
     assert _value(args, "--max-total-tokens") == "65536"
-    assert _value(args, "--mem-fraction-static") == str(cpu_mem_fraction(qwen, kv_tokens=65536))
-    assert cpu_default_args(qwen, kv_tokens=4096) == cpu_default_args(qwen)  # never below the default
+    assert _value(args, "--mem-fraction-static") == str(CPU_MEM_FRACTION_STATIC)
+    assert cpu_default_args(kv_tokens=4096) == cpu_default_args()  # never below the default
 
 
 def test_prompt_lengths_are_counted_under_the_chat_template(tiny_llama):

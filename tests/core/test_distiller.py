@@ -246,10 +246,11 @@ def test_barrier_gives_drafts_all_old_or_all_new_weights(generator, with_publish
     if with_publisher:
         serving = {n: torch.zeros_like(p) for n, p in drafter.trainable_named_parameters()}
         publisher = WeightPublisher.from_name_map(serving, dict(drafter.trainable_named_parameters()))
-        distiller = Distiller(drafter, _config(update_stride=3), ThreadExecutor(), publisher)
+        # No guard: stamped weights draft far worse than base, and the guard would reset them.
+        distiller = Distiller(drafter, _config(update_stride=3, guard=False), ThreadExecutor(), publisher)
         serving_tensors = list(serving.values())
     else:
-        distiller = Distiller(drafter, _config(update_stride=3), ThreadExecutor())
+        distiller = Distiller(drafter, _config(update_stride=3, guard=False), ThreadExecutor())
         serving_tensors = [p for _, p in drafter.trainable_named_parameters()]
     pointers = [t.data_ptr() for t in serving_tensors]
     _slow_stamping_step(distiller, per_param_sleep_s=0.002)
@@ -381,7 +382,8 @@ def test_canvas_without_valid_positions_is_not_an_update(generator):
 
 def test_a_failing_rollback_goes_back_to_the_published_weights(generator, caplog):
     drafter = TinyDrafter()
-    distiller = Distiller(drafter, _config(lr=1e-2), fault_injector=lambda i: "raise" if i == 1 else None)
+    config = _config(lr=1e-2, steps_per_update=2)  # two steps: the update takes a rollback copy
+    distiller = Distiller(drafter, config, fault_injector=lambda i: "raise" if i == 1 else None)
     teacher = TinyTeacher()
     distiller.observe(teacher.canvas(generator))
     assert distiller.barrier()
@@ -397,6 +399,36 @@ def test_a_failing_rollback_goes_back_to_the_published_weights(generator, caplog
     assert _equal(_params(distiller.trained_drafter), published)  # not the half-stepped weights
     assert len(distiller.optimizer.state) == 0 and distiller.stats.num_skipped_updates == 1
     assert any("failed outside its rollback" in r.message for r in caplog.records)
+    distiller.observe(teacher.canvas(generator))  # and training goes on from there
+    assert distiller.barrier() and distiller.stats.num_updates == 2
+
+
+@pytest.mark.parametrize("fault", ["nan", "inf_grad", "raise", "nan_weights"])
+def test_one_step_updates_take_no_rollback_copy_and_still_fail_safely(generator, fault):
+    """One step of a shared drafter from the published weights copies nothing before it runs: a
+    failure before the step changes nothing (loss and gradients are checked first), one after it
+    goes back to the published weights (those before the update) with a fresh optimizer state."""
+    drafter = TinyDrafter()
+    distiller = Distiller(drafter, _config(lr=1e-2), fault_injector=lambda i: fault if i == 1 else None)
+    saves = []
+    save = distiller._rollback.save
+    distiller._rollback.save = lambda optimizer: (saves.append(1), save(optimizer))
+    teacher = TinyTeacher()
+    distiller.observe(teacher.canvas(generator))
+    assert distiller.barrier()
+    published = _params(drafter)
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in distiller.optimizer.state.items()}
+    distiller.observe(teacher.canvas(generator))
+    assert not distiller.barrier() and distiller.stats.num_skipped_updates == 1
+    assert saves == []
+    assert _equal(_params(distiller.trained_drafter), published) and _equal(_params(drafter), published)
+    if fault in ("nan", "inf_grad"):  # before the step: the optimizer state is untouched
+        assert {id(p) for p in distiller.optimizer.state} == set(state)
+        for p, s in distiller.optimizer.state.items():
+            assert all(torch.equal(v, state[id(p)][k]) for k, v in s.items())
+    else:
+        assert len(distiller.optimizer.state) == 0
+    assert all(p.grad is None for p in distiller.train_params)
     distiller.observe(teacher.canvas(generator))  # and training goes on from there
     assert distiller.barrier() and distiller.stats.num_updates == 2
 

@@ -2,7 +2,7 @@
 
 NGRAM has no drafter: it drafts from a trie of the text generated so far (a C++ corpus that SGLang
 compiles with the machine's C++ compiler, cached under ~/.cache/sglang/jit: scripts/setup_env.sh builds it,
-as a server compiling it at launch counts the compiler's memory against its KV cache). Its verify
+so that no server launch pays for the compile). Its verify
 goes through the CPU layer: the stand-in's ``reconstruct_indices_from_tree_mask``, the torch-native
 verify attention and, for a sampled request, the PyTorch tree sampler. The server is launched with
 exactly the flags of ``bench_long.py --configs ngram``.

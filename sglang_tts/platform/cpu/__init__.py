@@ -15,7 +15,9 @@ What it does when active:
 6. runs the linear layers and LM heads of target and drafter through oneDNN weights packed once at
    load (sglang_tts.platform.cpu.linear: a few-row product, a verify, then costs near one row's);
 7. with $SGLANG_TTS_CPU_ROUND_TIMING set, logs the wall time of every decode, draft, verify and
-   draft-extend phase (sglang_tts.platform.cpu.round_timing, for scripts/bench_cpu_round.py).
+   draft-extend phase (sglang_tts.platform.cpu.round_timing, for scripts/bench_cpu_round.py);
+8. counts only this process's own allocations in SGLang's free-memory readings, so what other processes
+   allocate while a server loads does not shrink or refuse its KV pool (sglang_tts.platform.cpu.memory).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ def _add_shim_to_path() -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_tts.platform.cpu import attention, dflash, linear, round_timing, spec_sampling
+    from sglang_tts.platform.cpu import attention, dflash, linear, memory, round_timing, spec_sampling
 
     HookRegistry.register(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
@@ -91,6 +93,7 @@ def _register_hooks() -> None:
     dflash.register_hooks(HookRegistry, HookType)
     linear.register_hooks(HookRegistry, HookType)
     round_timing.register_hooks(HookRegistry, HookType)
+    memory.register_hooks(HookRegistry, HookType)
 
 
 def install() -> bool:

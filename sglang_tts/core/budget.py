@@ -1,0 +1,221 @@
+"""The update budget: the share of serving time TTS updates may take, and the stride that keeps it.
+
+An update costs serving time however it runs: inline (--tts-sync) it blocks the round that
+submits it; on a worker thread or a side stream it slows the rounds it overlaps (on a small CPU
+the update and the forward share the cores) and may block the barrier. `StrideGovernor` measures
+that cost online, from the rounds' own wall times, and picks the stride S:
+
+    a round is *touched* if an update was still running when it started or was submitted in it;
+    base(b)  = EMA of untouched rounds' wall time, per batch size b
+    excess   = sum over touched rounds of (wall - base(b)), at least 0   (the updates' cost)
+    cost     = EMA of excess per update (the update's own run time until a base is known)
+    share(S) = cost / (cost + S * base)      ->   S_budget = smallest S with share(S) <= budget
+
+The budget is `--tts-update-budget F`, or by default ("auto") the drafter's measured gain: the
+do-no-harm guard (core/guard.py) scores the adapted drafter against the base drafter on every
+update's canvas, which gives g, the relative gain in expected tokens per round; spending at most
+g / (1 + g) of the time on updates keeps tokens/s at or above the frozen drafter's, (1 + g)(1 -
+share) >= 1, on whatever machine the server runs. Until the guard has scores, `initial_budget`.
+
+Until an untouched round has been seen (every round ran beside an update, e.g. S = 1 with updates
+longer than a round) the cost has no base: the stride then lengthens by one per update until one is.
+
+Acceptance trend: a fast and a slow EMA of tokens per round. Falling (fast below slow by more than
+`trend_tolerance`): S = S_budget, the shortest the budget allows. Otherwise S lengthens by one per
+decision, up to 2 x S_budget: a drafter that keeps up needs fewer updates. Always within
+[min_stride, max_stride].
+
+Engine independent: the engine adapter reports rounds (`round_done`) and finished updates
+(`update_done`), and asks `decide()` for the stride between rounds when no update is in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+MAX_BATCH_KEYS = 64  # base round times kept per batch size (larger batches share a power-of-two key)
+GAP_FACTOR = 20.0  # a "round" this many times the base round is a gap (idle server), not a round
+
+
+def _batch_key(batch_size: int) -> int:
+    if batch_size <= 16:
+        return batch_size
+    return 1 << (batch_size - 1).bit_length()
+
+
+@dataclass
+class BudgetState:
+    """What the governor measured; reported in logs, meta_info and Prometheus."""
+
+    budget: float  # the share in force (fixed, or auto from the gain)
+    share: float  # measured share of serving time the updates took (EMA), nan before any update
+    cost_ms: float  # serving time one update costs (EMA), nan before any update
+    base_round_ms: float  # an untouched round's wall time at the last batch size, nan before one
+    gain: float  # the guard's measured gain (nan: none yet)
+    stride: int
+    trend: float  # fast / slow EMA of tokens per round - 1
+
+
+class StrideGovernor:
+    def __init__(
+        self,
+        stride: int,
+        budget: float | None = None,
+        *,
+        min_stride: int = 1,
+        max_stride: int = 32,
+        initial_budget: float = 0.10,
+        min_budget: float = 0.01,
+        max_budget: float = 0.5,
+        trend_tolerance: float = 0.03,
+        alpha: float = 0.2,
+    ) -> None:
+        if budget is not None and not 0.0 < budget < 1.0:
+            raise ValueError(f"update budget must be in (0, 1), got {budget}")
+        if not 1 <= min_stride <= max_stride:
+            raise ValueError(f"stride bounds must satisfy 1 <= min <= max, got {min_stride}, {max_stride}")
+        self.fixed_budget = budget
+        self.min_stride, self.max_stride = min_stride, max_stride
+        self.initial_budget, self.min_budget, self.max_budget = initial_budget, min_budget, max_budget
+        self.trend_tolerance = trend_tolerance
+        self.alpha = alpha
+        self.stride = min(max(stride, min_stride), max_stride)
+        self._base: dict[int, float] = {}  # batch key -> EMA of untouched round seconds
+        self._last_key: int | None = None
+        self._excess = 0.0  # touched rounds' excess since the last finished update
+        self._touched_unbased = 0.0  # touched rounds' seconds with no base for their batch size
+        self.cost_s = math.nan
+        self.share = math.nan
+        self.gain = math.nan
+        self._fast = math.nan
+        self._slow = math.nan
+        self.num_updates = 0
+        self.total_excess_s = 0.0
+        self.total_round_s = 0.0
+
+    # --- measurements -------------------------------------------------------------------------
+
+    def round_done(self, seconds: float, batch_size: int, touched: bool) -> None:
+        """One decode round's wall time; touched: an update was pending at its start or submitted in it."""
+        if not (seconds >= 0.0 and math.isfinite(seconds)) or batch_size < 1:
+            return
+        key = _batch_key(batch_size)
+        base = self._base.get(key)
+        if base is not None and seconds > GAP_FACTOR * base:
+            return  # not a round: the server sat idle (or did other work) in between
+        self.total_round_s += seconds
+        self._last_key = key if key in self._base or len(self._base) < MAX_BATCH_KEYS else self._last_key
+        if not touched:
+            if base is None:
+                if len(self._base) < MAX_BATCH_KEYS:
+                    self._base[key] = seconds
+                    self._last_key = key
+            else:  # quicker down than up: a slow outlier (a gap, a neighbour) must not set the base
+                rate = self.alpha if seconds >= base else 0.5
+                self._base[key] = base + rate * (seconds - base)
+            return
+        if base is not None and seconds < base:
+            # A round with an update in flight cannot be quicker than one without: the base is too high.
+            self._base[key] = base = base + 0.5 * (seconds - base)
+        if base is None:
+            self._touched_unbased += seconds
+        else:
+            excess = max(0.0, seconds - base)
+            self._excess += excess
+            self.total_excess_s += excess
+
+    def update_done(self, run_s: float, blocked_s: float, inline: bool) -> None:
+        """An update finished (kept, skipped or empty): fold the excess of the rounds it touched."""
+        self.num_updates += 1
+        if inline or self._excess == 0.0 and self._touched_unbased > 0.0:
+            cost = max(run_s, blocked_s) if inline else run_s  # no base yet: charge its whole run
+        else:
+            cost = self._excess
+        self._excess = 0.0
+        self._touched_unbased = 0.0
+        if not math.isfinite(cost):
+            return
+        self.cost_s = cost if math.isnan(self.cost_s) else self.cost_s + self.alpha * (cost - self.cost_s)
+        base = self.base_round_s
+        if not math.isnan(base):
+            self.share = self.cost_s / (self.cost_s + self.stride * base) if self.cost_s + base > 0 else 0.0
+
+    def observe_gain(self, gain: float | None) -> None:
+        """The guard's pooled gain (core/guard.py); None keeps the last one."""
+        if gain is not None and math.isfinite(gain):
+            self.gain = gain
+
+    def observe_tokens(self, tokens_per_round: float) -> None:
+        """Mean tokens a round committed (bonus included), for the acceptance trend."""
+        if not math.isfinite(tokens_per_round):
+            return
+        if math.isnan(self._fast):
+            self._fast = self._slow = tokens_per_round
+            return
+        self._fast += 0.2 * (tokens_per_round - self._fast)
+        self._slow += 0.02 * (tokens_per_round - self._slow)
+
+    # --- decision -----------------------------------------------------------------------------
+
+    @property
+    def base_round_s(self) -> float:
+        if self._last_key is None or self._last_key not in self._base:
+            return math.nan
+        return self._base[self._last_key]
+
+    @property
+    def budget(self) -> float:
+        if self.fixed_budget is not None:
+            return self.fixed_budget
+        if math.isnan(self.gain):
+            return self.initial_budget
+        share_for_gain = self.gain / (1.0 + self.gain) if self.gain > 0 else 0.0
+        return min(self.max_budget, max(self.min_budget, share_for_gain))
+
+    @property
+    def trend(self) -> float:
+        if math.isnan(self._fast) or self._slow <= 0:
+            return 0.0
+        return self._fast / self._slow - 1.0
+
+    def budget_stride(self) -> int | None:
+        """The shortest stride whose update share stays within the budget (None: not measured yet)."""
+        base = self.base_round_s
+        if math.isnan(self.cost_s) or math.isnan(base) or base <= 0:
+            return None
+        budget = self.budget
+        needed = self.cost_s * (1.0 - budget) / (budget * base)
+        return min(self.max_stride, max(self.min_stride, math.ceil(needed - 1e-9)))
+
+    def decide(self) -> int:
+        """The stride for the next window (call between rounds, with no update in flight)."""
+        floor = self.budget_stride()
+        if floor is None:
+            if self.num_updates >= 2 and math.isnan(self.base_round_s):
+                # Every round so far ran beside an update: lengthen the stride until one does not.
+                self.stride = min(self.max_stride, self.stride + 1)
+            return self.stride
+        if self.trend < -self.trend_tolerance:
+            stride = floor
+        else:
+            stride = min(max(self.stride + 1, floor), 2 * floor)
+        self.stride = min(self.max_stride, max(self.min_stride, stride))
+        return self.stride
+
+    def state(self) -> BudgetState:
+        ms = 1e3
+        return BudgetState(
+            budget=self.budget,
+            share=self.share,
+            cost_ms=self.cost_s * ms,
+            base_round_ms=self.base_round_s * ms,
+            gain=self.gain,
+            stride=self.stride,
+            trend=self.trend,
+        )
+
+    @property
+    def measured_share(self) -> float:
+        """Whole-run share of serving time the updates' excess took (0 before any round)."""
+        return self.total_excess_s / self.total_round_s if self.total_round_s > 0 else 0.0

@@ -1,0 +1,132 @@
+"""Do no harm: reset an adapted drafter that drafts worse than the drafter it started from.
+
+Every update trains on a canvas the adapted drafter has not seen yet (the round it just drafted).
+Before its step, the update scores two drafters on that canvas, with no gradient: the adapted
+drafter as it served the round, and the base drafter (the weights the scope started from). The
+score of a canvas row is the expected number of tokens a chain drafted by that drafter would
+have kept along the verified path:
+
+    a_k = sum_v min(p_k(v), q_k(v))       acceptance probability at canvas position k
+    score = sum_k prod_{j <= k} a_j       (positions that do not enter the loss count 0)
+
+(p the target's distribution, q the drafter's; min(p, q) summed is speculative sampling's
+acceptance probability, and for a sharp target it is q's mass on the target's top token, the
+greedy match made smooth). Both drafters are scored on the same positions, so the comparison is
+paired: the text's difficulty cancels.
+
+`DoNoHarmGuard` keeps, per unit (the shared drafter's scope, or one request's adapter slot),
+the last `window` paired scores. The unit is reset to base, and its window cleared, when the
+window is full, the adapted drafter's mean score is below (1 - margin) x the base drafter's, and
+the paired differences are clearly negative (their mean below -z standard errors): one canvas
+holds the few positions of one round, so a single score is noisy, and a drafter as good as base
+must not be reset by chance. The same windows give `gain()`: the adapted drafter's measured
+acceptance gain over base, pooled over the units, which the update budget (core/budget.py) uses
+as its default.
+
+Caveat: the canvas is the path the adapted drafter's own draft left accepted, so its positions
+lean towards where that drafter was right; the comparison is paired but not unbiased, and it
+leans towards keeping the adapted drafter (a reset needs a clear loss).
+
+Engine independent; the Distiller computes the scores (`acceptance_scores`) in the update and
+feeds them here on the serving thread.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+SCOPE_UNIT = -1  # the unit of a shared drafter (batch / global scope)
+
+
+def acceptance_scores(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Expected tokens kept along each canvas row (module docstring).
+
+    logits:  [B, C, V] the drafter's logits at the canvas positions
+    teacher: [B, C, V] the target's probabilities over the same vocabulary
+    mask:    [B, C] bool, the positions that enter the loss
+    returns: [B] float32
+    """
+    q = torch.softmax(logits.float(), dim=-1)
+    accept = torch.minimum(q, teacher.float()).sum(-1)  # [B, C]
+    accept = torch.where(mask, accept, 0.0)
+    return accept.cumprod(dim=1).sum(dim=1)
+
+
+@dataclass
+class GuardVerdict:
+    """What one batch of scores decided."""
+
+    reset_units: list[int]  # units whose adapted drafter goes back to base
+
+
+class DoNoHarmGuard:
+    def __init__(self, window: int = 16, margin: float = 0.02, z: float = 2.0, max_units: int = 4096) -> None:
+        if window < 1:
+            raise ValueError(f"guard window must be >= 1, got {window}")
+        if not 0.0 <= margin < 1.0:
+            raise ValueError(f"guard margin must be in [0, 1), got {margin}")
+        self.window = window
+        self.margin = margin
+        self.z = z
+        self.max_units = max_units  # bounded state: units are scopes or adapter slots, never requests
+        self._scores: dict[int, deque[tuple[float, float]]] = {}
+        self.num_resets = 0
+
+    def observe(self, units: Iterable[int], adapted: Iterable[float], base: Iterable[float]) -> GuardVerdict:
+        """One update's paired scores, one per canvas row (rows of one unit are summed first)."""
+        per_unit: dict[int, list[float]] = {}
+        for unit, a, b in zip(units, adapted, base):
+            acc = per_unit.setdefault(int(unit), [0.0, 0.0])
+            acc[0] += float(a)
+            acc[1] += float(b)
+        resets = []
+        for unit, (a, b) in per_unit.items():
+            scores = self._scores.get(unit)
+            if scores is None:
+                if len(self._scores) >= self.max_units:
+                    continue
+                scores = self._scores[unit] = deque(maxlen=self.window)
+            scores.append((a, b))
+            if len(scores) == self.window and self._worse(scores):
+                resets.append(unit)
+        for unit in resets:
+            self._scores.pop(unit, None)
+        self.num_resets += len(resets)
+        return GuardVerdict(resets)
+
+    def _worse(self, scores: deque[tuple[float, float]]) -> bool:
+        """Is the adapted drafter worse than base over the window: its mean score below (1 - margin)
+        x base's, and the paired differences clearly negative (mean below -z standard errors)? One
+        canvas holds a few positions of one round, so single scores are noisy: both must hold."""
+        n = len(scores)
+        diffs = [a - b for a, b in scores]
+        mean_d = sum(diffs) / n
+        mean_b = sum(b for _, b in scores) / n
+        if mean_d >= -self.margin * mean_b:
+            return False
+        var = sum((d - mean_d) ** 2 for d in diffs) / max(n - 1, 1)
+        return mean_d < -self.z * math.sqrt(var / n)
+
+    def forget(self, unit: int | None = None) -> None:
+        """A unit went back to base by other means (its scope ended, its slot was freed); None: all."""
+        if unit is None:
+            self._scores.clear()
+        else:
+            self._scores.pop(unit, None)
+
+    def gain(self) -> float | None:
+        """Adapted over base acceptance minus 1, pooled over the units' windows (None: no scores yet)."""
+        sum_a = sum(s[0] for scores in self._scores.values() for s in scores)
+        sum_b = sum(s[1] for scores in self._scores.values() for s in scores)
+        if sum_b <= 0.0:
+            return None
+        return sum_a / sum_b - 1.0
+
+    @property
+    def num_units(self) -> int:
+        return len(self._scores)

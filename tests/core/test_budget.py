@@ -1,0 +1,89 @@
+"""The update budget: the cost of updates measured from round times, and the stride that keeps it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from sglang_tts.core.budget import StrideGovernor
+
+
+def _serve(gov: StrideGovernor, rounds: int, round_s: float, update_s: float, inline: bool = False) -> None:
+    """Rounds at `gov.stride`: an async update slows the round it is submitted in and the next by
+    update_s / 2 each (it shares the cores); an inline one blocks the submitting round for update_s."""
+    for r in range(rounds):
+        submits = r % gov.stride == 0
+        in_flight = r % gov.stride == 1 % gov.stride and gov.stride > 1 and not inline
+        extra = (update_s if inline else update_s / 2) if submits else 0.0
+        extra += update_s / 2 if in_flight else 0.0
+        gov.round_done(round_s + extra, batch_size=1, touched=submits or in_flight)
+        if submits:
+            gov.update_done(run_s=update_s, blocked_s=update_s if inline else 0.0, inline=inline)
+
+
+def test_cost_is_measured_from_the_rounds_an_update_touches():
+    gov = StrideGovernor(stride=4, budget=0.1)
+    _serve(gov, 80, round_s=0.040, update_s=0.030)
+    assert gov.base_round_s == pytest.approx(0.040, rel=1e-6)
+    assert gov.cost_s == pytest.approx(0.030, rel=1e-2)
+    assert gov.share == pytest.approx(0.030 / (0.030 + 4 * 0.040), rel=1e-2)
+
+
+def test_the_stride_keeps_the_budget():
+    gov = StrideGovernor(stride=1, budget=0.1, max_stride=32)
+    _serve(gov, 10, round_s=0.040, update_s=0.030)  # S = 1: every round beside an update, no base
+    assert math.isnan(gov.base_round_s) and gov.decide() == 2  # so the stride lengthens until there is one
+    for _ in range(20):
+        _serve(gov, 40, round_s=0.040, update_s=0.030)
+        gov.decide()
+    # share(S) = 30 / (30 + 40 S) <= 0.1  ->  S >= 6.75: the shortest is 7, and stable acceptance lets
+    # it grow to at most twice that.
+    assert gov.budget_stride() == 7
+    assert 7 <= gov.stride <= 14
+    gov.observe_tokens(2.0)
+    for _ in range(30):
+        gov.observe_tokens(1.4)  # acceptance falls: update as often as the budget allows
+    assert gov.trend < 0 and gov.decide() == 7
+
+
+def test_inline_updates_cost_their_whole_run():
+    gov = StrideGovernor(stride=2, budget=0.25)
+    _serve(gov, 20, round_s=0.040, update_s=0.020, inline=True)
+    assert gov.cost_s == pytest.approx(0.020, rel=1e-3)
+    assert gov.budget_stride() == 2  # 20 / (20 + 40 S) <= 0.25 -> S >= 1.5
+
+
+def test_auto_budget_follows_the_measured_gain():
+    gov = StrideGovernor(stride=5, budget=None, initial_budget=0.1, min_budget=0.02)
+    assert gov.budget == 0.1  # no gain measured yet
+    gov.observe_gain(0.25)
+    assert gov.budget == pytest.approx(0.2)  # g / (1 + g): (1 + g)(1 - share) >= 1
+    gov.observe_gain(-0.1)
+    assert gov.budget == 0.02  # a drafter that does not gain updates rarely (the guard watches it)
+    gov.observe_gain(None)
+    assert gov.budget == 0.02
+
+
+def test_untouched_rounds_set_the_base_per_batch_size_and_gaps_are_ignored():
+    gov = StrideGovernor(stride=3, budget=0.1)
+    for _ in range(10):
+        gov.round_done(0.040, batch_size=1, touched=False)
+        gov.round_done(0.100, batch_size=8, touched=False)
+    assert gov.base_round_s == pytest.approx(0.100)
+    gov.round_done(0.040, batch_size=1, touched=False)
+    assert gov.base_round_s == pytest.approx(0.040)
+    gov.round_done(30.0, batch_size=1, touched=False)  # the server sat idle in between
+    assert gov.base_round_s == pytest.approx(0.040)
+    gov.round_done(0.030, batch_size=1, touched=True)  # quicker with an update in flight: base too high
+    assert gov.base_round_s < 0.040
+
+
+def test_nothing_is_decided_before_anything_is_measured():
+    gov = StrideGovernor(stride=5, budget=0.1, min_stride=2, max_stride=9)
+    assert gov.decide() == 5 and gov.budget_stride() is None
+    assert math.isnan(gov.state().share)
+    with pytest.raises(ValueError):
+        StrideGovernor(stride=5, budget=1.5)
+    with pytest.raises(ValueError):
+        StrideGovernor(stride=5, min_stride=4, max_stride=2)
