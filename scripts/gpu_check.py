@@ -288,8 +288,8 @@ def _executor_common(executor: Any) -> None:
 def _executor_cpu(ctx: Context) -> str:
     from sglang_tts.core.executor import ThreadExecutor, make_executor
 
-    executor = make_executor(ctx.device, sync=False)
-    expect(isinstance(executor, ThreadExecutor), f"CPU serving got {type(executor).__name__}")
+    executor = make_executor(ctx.device, sync=False, cpu_thread=True)
+    expect(isinstance(executor, ThreadExecutor), f"CPU serving with --tts-cpu-thread got {type(executor).__name__}")
     try:
         data = torch.zeros(4096)
         started, release = threading.Event(), threading.Event()

@@ -58,6 +58,9 @@ class TTSConfig:
     max_adapted_requests: int = 16
     # Run the update on the main stream / serving thread, for comparison with the async executor.
     sync: bool = False
+    # On CPU, run updates on a worker thread (the side stream's CPU twin) instead of inline between rounds.
+    # Off: on the 2-core machine the worker's OpenMP threads slowed every round (docs/update-cost.md).
+    cpu_thread: bool = False
     # Same code path, no updates: the frozen baseline.
     freeze: bool = False
     optimizer: Literal["adam", "adamw", "sgd"] = "adam"

@@ -46,6 +46,9 @@ class Answer:
     update_ms: float = 0.0
     failures: int = 0
     finish_reason: str | None = None
+    update_stride: int = 0  # the stride in force at the answer's last round (the update budget's pick)
+    update_share: float = 0.0  # the share of serving time updates took (server-wide, as measured)
+    guard_resets: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -123,6 +126,9 @@ def _ask(server: ServerProcess, model: str, variant: str, question: str, max_tok
         update_ms=float(meta.get("tts_update_ms") or 0.0),
         failures=int(meta.get("tts_failures") or 0),
         finish_reason=choice.finish_reason,
+        update_stride=int(meta.get("tts_update_stride") or 0),
+        update_share=float(meta.get("tts_update_share") or 0.0),
+        guard_resets=int(meta.get("tts_guard_resets") or 0),
     )
 
 
@@ -189,12 +195,21 @@ def render(result: DemoResult) -> str:
     )
     lines[-1] += gain
     per_update = tts.update_ms / tts.updates if tts.updates else 0.0
-    sync = "--tts-sync" in result.launch_args
-    where = "on the serving thread: --tts-sync" if sync else "on a worker thread, overlapped with serving"
+    args = result.launch_args
+    if "--tts-sync" in args:
+        where = "on the serving thread: --tts-sync"
+    elif "--tts-cpu-thread" in args:
+        where = "on a worker thread beside serving: --tts-cpu-thread"
+    else:
+        where = "inline between rounds, the CPU default"
+    pinned = "--tts-update-stride" in " ".join(args)
+    stride = "pinned" if pinned else "picked by the update budget"
     lines += [
         "",
         f"TTS updates: {tts.updates} made, {tts.skipped_updates} skipped, {per_update:.1f} ms each "
         f"({where}); the frozen server made {frozen.updates}",
+        f"stride at the end: {tts.update_stride} ({stride}); updates took {100 * tts.update_share:.1f}% of "
+        f"serving time; do-no-harm resets: {tts.guard_resets}",
         f"tokens/s: frozen {frozen.tokens_per_s:.1f}, TTS {tts.tokens_per_s:.1f} "
         f"({tts.tokens_per_s / frozen.tokens_per_s if frozen.tokens_per_s else float('nan'):.2f}x)",
         f"outputs identical: {'yes' if result.identical else 'NO'} "

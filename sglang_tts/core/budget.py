@@ -15,7 +15,10 @@ The budget is `--tts-update-budget F`, or by default ("auto") the drafter's meas
 do-no-harm guard (core/guard.py) scores the adapted drafter against the base drafter on every
 update's canvas, which gives g, the relative gain in expected tokens per round; spending at most
 g / (1 + g) of the time on updates keeps tokens/s at or above the frozen drafter's, (1 + g)(1 -
-share) >= 1, on whatever machine the server runs. Until the guard has scores, `initial_budget`.
+share) >= 1, on whatever machine the server runs. A drafter needs updates before it can show a gain:
+for its first `guard_window` updates in a scope (the engine says when it has had them) the budget is
+`initial_budget` (10%); after that at least `min_budget` (2%), so that a drafter that gains nothing
+costs little but can still start gaining.
 
 Until an untouched round has been seen (every round ran beside an update, e.g. S = 1 with updates
 longer than a round) the cost has no base: the stride then lengthens by one per update until one is.
@@ -66,7 +69,7 @@ class StrideGovernor:
         min_stride: int = 1,
         max_stride: int = 32,
         initial_budget: float = 0.10,
-        min_budget: float = 0.01,
+        min_budget: float = 0.02,
         max_budget: float = 0.5,
         trend_tolerance: float = 0.03,
         alpha: float = 0.2,
@@ -91,7 +94,8 @@ class StrideGovernor:
         self._fast = math.nan
         self._slow = math.nan
         self.num_updates = 0
-        self.total_excess_s = 0.0
+        self.settled = False
+        self.total_cost_s = 0.0  # what the finished updates cost serving (sum of `cost` below)
         self.total_round_s = 0.0
 
     # --- measurements -------------------------------------------------------------------------
@@ -121,28 +125,32 @@ class StrideGovernor:
         if base is None:
             self._touched_unbased += seconds
         else:
-            excess = max(0.0, seconds - base)
-            self._excess += excess
-            self.total_excess_s += excess
+            self._excess += max(0.0, seconds - base)
 
-    def update_done(self, run_s: float, blocked_s: float, inline: bool) -> None:
-        """An update finished (kept, skipped or empty): fold the excess of the rounds it touched."""
+    def update_done(self, run_s: float, blocked_s: float, inline: bool = False) -> None:
+        """An update finished (kept, skipped or empty): fold the excess of the rounds it touched (its
+        run time while no base is known). `inline`: it ran on the serving thread (the excess of the
+        round that ran it is then its whole run; kept for the record, measured the same way)."""
         self.num_updates += 1
-        if inline or self._excess == 0.0 and self._touched_unbased > 0.0:
-            cost = max(run_s, blocked_s) if inline else run_s  # no base yet: charge its whole run
+        if self._touched_unbased > 0.0 or (self._excess == 0.0 and math.isnan(self.base_round_s)):
+            cost = max(run_s, blocked_s)  # no base for the rounds it touched: charge its whole run
         else:
             cost = self._excess
         self._excess = 0.0
         self._touched_unbased = 0.0
         if not math.isfinite(cost):
             return
+        self.total_cost_s += cost
         self.cost_s = cost if math.isnan(self.cost_s) else self.cost_s + self.alpha * (cost - self.cost_s)
         base = self.base_round_s
         if not math.isnan(base):
             self.share = self.cost_s / (self.cost_s + self.stride * base) if self.cost_s + base > 0 else 0.0
 
-    def observe_gain(self, gain: float | None) -> None:
-        """The guard's pooled gain (core/guard.py); None keeps the last one."""
+    def observe_gain(self, gain: float | None, settled: bool = True) -> None:
+        """The guard's pooled gain (core/guard.py); None keeps the last one. `settled`: the drafter has
+        had its warm-up updates in this scope (before that the gain is not yet the drafter's to show,
+        and the budget stays at `initial_budget`)."""
+        self.settled = settled
         if gain is not None and math.isfinite(gain):
             self.gain = gain
 
@@ -168,7 +176,7 @@ class StrideGovernor:
     def budget(self) -> float:
         if self.fixed_budget is not None:
             return self.fixed_budget
-        if math.isnan(self.gain):
+        if math.isnan(self.gain) or not self.settled:
             return self.initial_budget
         share_for_gain = self.gain / (1.0 + self.gain) if self.gain > 0 else 0.0
         return min(self.max_budget, max(self.min_budget, share_for_gain))
@@ -217,5 +225,5 @@ class StrideGovernor:
 
     @property
     def measured_share(self) -> float:
-        """Whole-run share of serving time the updates' excess took (0 before any round)."""
-        return self.total_excess_s / self.total_round_s if self.total_round_s > 0 else 0.0
+        """Whole-run share of serving time the updates took (0 before any round)."""
+        return min(1.0, self.total_cost_s / self.total_round_s) if self.total_round_s > 0 else 0.0

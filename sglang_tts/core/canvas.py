@@ -80,6 +80,17 @@ class Canvas:
             slots=mv(self.slots),
         )
 
+    def prefix(self, length: int) -> Canvas:
+        """The first `length` canvas positions (views; context, features and K/V as they are)."""
+        n = max(1, min(length, self.length))
+        return replace(
+            self,
+            input_ids=self.input_ids[:, :n],
+            positions=self.positions[:, :n],
+            target_logits=self.target_logits[:, :n],
+            valid=self.valid[:, :n],
+        )
+
     def detach_clone(self) -> Canvas:
         """A private copy: the serving path may reuse its buffers while an update still runs."""
 

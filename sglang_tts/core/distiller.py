@@ -78,7 +78,7 @@ from torch import nn
 from sglang_tts.config import TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas, CanvasBuffers
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
-from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, acceptance_scores
+from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
 from sglang_tts.core.loss import compute_loss, tts_loss
 from sglang_tts.core.profiling import PhaseTimer
 from sglang_tts.core.prompt import PromptBatch, prompt_loss
@@ -522,16 +522,21 @@ class Distiller:
     def _score(
         self, canvas: Canvas, served: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, outcome: UpdateOutcome
     ) -> None:
-        """The guard's paired scores (core/guard.py): the drafter that drafted this canvas (step 0's
-        forward, before any step) against the base drafter, per canvas row with a unit."""
+        """The guard's paired scores (core/guard.py) at the canvas's first position: whether the
+        drafter's top token there is the target's, for the drafter that drafted this canvas (step 0's
+        forward, before any step) and for the base drafter, per canvas row with a unit. The first
+        position only, because it decides whether a round gains anything, and because it keeps the
+        base drafter's forward to one draft step (EAGLE-3) and the LM head to one read for both."""
         drafter = self.trained_drafter
+        first = canvas.prefix(1)
         if getattr(drafter, "lm_head_per_row", False):
-            adapted_logits = served
+            adapted_logits, base_logits = served[:, :1], self.base_drafter.canvas_logits(first)
         else:
-            adapted_logits = served @ drafter.lm_head_weight().detach().t()
-        base_logits = self.base_drafter.canvas_logits(canvas)
-        adapted = acceptance_scores(adapted_logits, teacher, mask)
-        base = acceptance_scores(base_logits, teacher, mask)
+            hidden = torch.cat((served[:, :1], self.base_drafter.canvas_hidden(first)))  # [2B, 1, H]
+            logits = hidden @ drafter.lm_head_weight().detach().t()
+            adapted_logits, base_logits = logits.chunk(2)
+        adapted = greedy_scores(adapted_logits, teacher[:, :1], mask[:, :1])
+        base = greedy_scores(base_logits, teacher[:, :1], mask[:, :1])
         if canvas.slots is not None:
             units = canvas.slots.to(adapted.device)
             keep = units >= 0

@@ -259,13 +259,18 @@ class SideStreamExecutor(_WorkerThreadExecutor):
             job.cuda_event.synchronize()
 
 
-def executor_class(device: torch.device | str, sync: bool) -> type[UpdateExecutor]:
-    """Sync on request; otherwise a side stream on CUDA and a worker thread anywhere else."""
+def executor_class(device: torch.device | str, sync: bool, cpu_thread: bool = False) -> type[UpdateExecutor]:
+    """Sync on request; otherwise a side stream on CUDA. Elsewhere inline, unless `cpu_thread`: on a
+    CPU the update and the serving forward share the cores, and a second thread of OpenMP workers made
+    every round ~25% slower on the project's 2-core machine, rounds without an update in flight
+    included (docs/update-cost.md), more than the overlap gives back."""
     if sync:
         return SyncExecutor
-    return SideStreamExecutor if torch.device(device).type == "cuda" else ThreadExecutor
+    if torch.device(device).type == "cuda":
+        return SideStreamExecutor
+    return ThreadExecutor if cpu_thread else SyncExecutor
 
 
-def make_executor(device: torch.device | str, sync: bool) -> UpdateExecutor:
-    cls = executor_class(device, sync)
+def make_executor(device: torch.device | str, sync: bool, cpu_thread: bool = False) -> UpdateExecutor:
+    cls = executor_class(device, sync, cpu_thread)
     return cls(torch.device(device)) if cls is SideStreamExecutor else cls()

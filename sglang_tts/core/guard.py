@@ -3,16 +3,17 @@
 Every update trains on a canvas the adapted drafter has not seen yet (the round it just drafted).
 Before its step, the update scores two drafters on that canvas, with no gradient: the adapted
 drafter as it served the round, and the base drafter (the weights the scope started from). The
-score of a canvas row is the expected number of tokens a chain drafted by that drafter would
-have kept along the verified path:
+score of a canvas row is the number of leading canvas positions at which the drafter's top token
+is the target's top token: the tokens a greedy chain drafted by that drafter would have kept along
+the verified path (positions outside the loss end it). The Distiller scores the first position only
+(score 1 or 0: is the round's first drafted token the target's?): it decides whether a round gains
+anything, and it keeps the base drafter's extra forward to one draft step. Both drafters are scored
+on the same positions, so the comparison is paired: the text's difficulty cancels.
 
-    a_k = sum_v min(p_k(v), q_k(v))       acceptance probability at canvas position k
-    score = sum_k prod_{j <= k} a_j       (positions that do not enter the loss count 0)
-
-(p the target's distribution, q the drafter's; min(p, q) summed is speculative sampling's
-acceptance probability, and for a sharp target it is q's mass on the target's top token, the
-greedy match made smooth). Both drafters are scored on the same positions, so the comparison is
-paired: the text's difficulty cancels.
+Why the top token and not a smooth score such as sum_v min(p, q) (speculative sampling's acceptance
+probability): KL training towards a sharp target makes q sharper, which raises min(p, q) where the
+top token does not change; on the demo that smooth score claimed +30-130% over base while the
+served tokens per round rose 2-9%. The top-token match moves only when drafts would.
 
 `DoNoHarmGuard` keeps, per unit (the shared drafter's scope, or one request's adapter slot),
 the last `window` paired scores. The unit is reset to base, and its window cleared, when the
@@ -43,18 +44,16 @@ import torch
 SCOPE_UNIT = -1  # the unit of a shared drafter (batch / global scope)
 
 
-def acceptance_scores(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Expected tokens kept along each canvas row (module docstring).
+def greedy_scores(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Leading canvas positions where the drafter's top token is the target's (module docstring).
 
     logits:  [B, C, V] the drafter's logits at the canvas positions
-    teacher: [B, C, V] the target's probabilities over the same vocabulary
+    teacher: [B, C, V] the target's probabilities (or logits) over the same vocabulary
     mask:    [B, C] bool, the positions that enter the loss
     returns: [B] float32
     """
-    q = torch.softmax(logits.float(), dim=-1)
-    accept = torch.minimum(q, teacher.float()).sum(-1)  # [B, C]
-    accept = torch.where(mask, accept, 0.0)
-    return accept.cumprod(dim=1).sum(dim=1)
+    match = (logits.argmax(-1) == teacher.argmax(-1)) & mask
+    return match.to(torch.float32).cumprod(dim=1).sum(dim=1)
 
 
 @dataclass
@@ -120,12 +119,15 @@ class DoNoHarmGuard:
             self._scores.pop(unit, None)
 
     def gain(self) -> float | None:
-        """Adapted over base acceptance minus 1, pooled over the units' windows (None: no scores yet)."""
-        sum_a = sum(s[0] for scores in self._scores.values() for s in scores)
-        sum_b = sum(s[1] for scores in self._scores.values() for s in scores)
-        if sum_b <= 0.0:
+        """Adapted over base score minus 1, pooled over the units' windows (None: no scores yet). One
+        match is added to each side: scores are counts of matches, and a window where base matched
+        nothing must not report an infinite gain."""
+        pairs = [s for scores in self._scores.values() for s in scores]
+        if not pairs:
             return None
-        return sum_a / sum_b - 1.0
+        sum_a = sum(a for a, _ in pairs)
+        sum_b = sum(b for _, b in pairs)
+        return (sum_a + 1.0) / (sum_b + 1.0) - 1.0
 
     @property
     def num_units(self) -> int:

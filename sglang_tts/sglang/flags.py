@@ -117,6 +117,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "--tts-sync": ("sync", {"nargs": 0, "help": "Run updates on the serving thread/stream (comparison)."}),
     "--tts-freeze": ("freeze", {"nargs": 0, "help": "Same code path, never update: the frozen baseline."}),
+    "--tts-cpu-thread": (
+        "cpu_thread",
+        {"nargs": 0, "help": "On CPU, update on a worker thread beside serving (default: inline between rounds)."},
+    ),
     "--tts-optimizer": ("optimizer", {"choices": ["adam", "adamw", "sgd"], "help": "torch.optim optimizer."}),
     "--tts-max-grad-norm": ("max_grad_norm", {"type": float, "help": "Gradient clipping norm."}),
     "--tts-position-weights": ("position_weights", {"type": _float_list, "help": "w_1,...,w_C (default: recipe)."}),

@@ -82,7 +82,7 @@ class TTSRuntime:
     ):
         self.config = config
         self.device = torch.device(device)
-        self.executor = make_executor(self.device, config.sync)
+        self.executor = make_executor(self.device, config.sync, config.cpu_thread)
         self.distiller = Distiller(drafter, config, self.executor, publisher, fault_injector_from_env())
         self.drafter = drafter
         self.scope = make_scope(config.scope)
@@ -129,7 +129,7 @@ class TTSRuntime:
     def describe(self) -> str:
         """One line for the worker's start-up log."""
         cfg = self.config
-        mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else "async")
+        mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else ("async" if not self.executor.inline else "inline"))
         if cfg.governed_stride:
             budget = "auto" if cfg.update_budget is None else f"{cfg.update_budget:g}"
             stride = f"stride {cfg.update_stride} (update budget {budget}: {cfg.min_stride}..{cfg.max_stride})"
@@ -174,9 +174,12 @@ class TTSRuntime:
         self._absorbing(self.distiller.barrier)
         if self._stride_due and not self.distiller.executor.pending:
             self._stride_due = False
-            stride = self.governor.decide()
-            if self.config.governed_stride and stride != self.config.update_stride:
-                self.distiller.set_update_stride(stride)
+            if self.config.governed_stride:
+                stride = self.governor.decide()
+                if stride != self.config.update_stride:
+                    self.distiller.set_update_stride(stride)
+            else:  # pinned or the controller's: the budget only reports
+                self.governor.stride = self.config.update_stride
         if self.metrics is not None:
             self.metrics.tracked_requests.set(self.num_tracked())
 
@@ -199,8 +202,9 @@ class TTSRuntime:
         """The Distiller absorbed an update (serving thread): its cost and the guard's gain go to the budget."""
         timing = result.timing
         self.governor.update_done(timing.run_s, timing.wait_blocked_s, self.distiller.executor.inline)
-        gain = self.distiller.stats.guard_gain
-        self.governor.observe_gain(None if math.isnan(gain) else gain)
+        stats = self.distiller.stats
+        settled = stats.scope_updates >= self.config.guard_window
+        self.governor.observe_gain(None if math.isnan(stats.guard_gain) else stats.guard_gain, settled)
         self._stride_due = True
         if self.config.log_interval and self.governor.num_updates % 10 == 0:
             logger.info("TTS update budget: %s", self.governor.state())

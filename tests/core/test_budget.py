@@ -57,6 +57,8 @@ def test_inline_updates_cost_their_whole_run():
 def test_auto_budget_follows_the_measured_gain():
     gov = StrideGovernor(stride=5, budget=None, initial_budget=0.1, min_budget=0.02)
     assert gov.budget == 0.1  # no gain measured yet
+    gov.observe_gain(-0.5, settled=False)
+    assert gov.budget == 0.1  # the drafter's first updates: not yet its gain to show
     gov.observe_gain(0.25)
     assert gov.budget == pytest.approx(0.2)  # g / (1 + g): (1 + g)(1 - share) >= 1
     gov.observe_gain(-0.1)

@@ -88,10 +88,12 @@ def test_thread_executor_error_and_one_pending_at_a_time():
 
 def test_executor_selection():
     assert executor_class("cpu", sync=True) is SyncExecutor
-    assert executor_class("cpu", sync=False) is ThreadExecutor
+    assert executor_class("cpu", sync=False) is SyncExecutor  # inline between rounds: the CPU default
+    assert executor_class("cpu", sync=False, cpu_thread=True) is ThreadExecutor
     assert executor_class("cuda", sync=True) is SyncExecutor
     assert executor_class(torch.device("cuda", 1), sync=False) is SideStreamExecutor
-    executor = make_executor("cpu", sync=False)
+    assert executor_class(torch.device("cuda", 1), sync=False, cpu_thread=True) is SideStreamExecutor
+    executor = make_executor("cpu", sync=False, cpu_thread=True)
     assert isinstance(executor, ThreadExecutor)
     executor.close()
     assert isinstance(make_executor(torch.device("cpu"), sync=True), SyncExecutor)

@@ -17,7 +17,8 @@ from sglang_tts.sglang.runtime import FAULT_ENV, TTSRuntime
 
 def _runtime(monkeypatch, faults: str = "", **config) -> tuple[TTSRuntime, CollectorRegistry]:
     monkeypatch.setenv(FAULT_ENV, faults)
-    settings = {"update_stride": 1, "lr": 1e-3, "reg_lambda": 0.0, "log_interval": 0, "sync": True, **config}
+    settings = {"update_stride": 1, "stride_pinned": True, "lr": 1e-3, "reg_lambda": 0.0, "log_interval": 0}
+    settings = {**settings, "sync": True, **config}
     runtime = TTSRuntime(core.TinyDrafter(), TTSConfig(**settings), None, "cpu")
     registry = CollectorRegistry()
     runtime.metrics = SchedulerMetrics(registry)
@@ -191,3 +192,71 @@ def test_a_prompt_update_collected_by_the_canvas_capture_is_credited(monkeypatch
     runtime.capture_buffers()
     assert runtime.distiller.stats.num_prompt_updates == 1
     assert runtime.counters("late").prompt_positions == 9 and runtime.counters("late").prompt_steps == 4
+
+
+class _Clock:
+    """A perf_counter the test advances: rounds take what the test says they take."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _slow_updates(runtime: TTSRuntime, clock: _Clock, seconds: float) -> None:
+    """Each update costs the serving thread `seconds` of (fake) time: it runs inline (--tts-sync)."""
+    train = runtime.distiller._train
+
+    def slow(canvas, fault):
+        clock.now += seconds
+        return train(canvas, fault)
+
+    runtime.distiller._train = slow
+
+
+def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
+    """Unpinned (no --tts-update-stride), the stride follows the measured cost: updates of 30 ms
+    beside rounds of 40 ms fit a 10% budget only at S >= 7 (30 / (30 + 40 S) <= 0.1)."""
+    clock = _Clock()
+    monkeypatch.setattr("sglang_tts.sglang.runtime.time", clock)
+    runtime, registry = _runtime(monkeypatch, update_budget=0.1, update_stride=1, stride_pinned=False, guard=False)
+    _slow_updates(runtime, clock, 0.030)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        _round(runtime, generator, ["a"])
+        clock.now += 0.040
+    assert runtime.config.update_stride >= 7
+    assert runtime.governor.budget_stride() == 7
+    assert runtime.governor.measured_share < 0.15
+    assert runtime.counters("a").update_stride == runtime.config.update_stride
+    assert registry.get_sample_value("sglang_tts:update_stride") >= 7
+    assert registry.get_sample_value("sglang_tts:update_cost_seconds") == pytest.approx(0.030, rel=0.05)
+
+
+def test_a_pinned_stride_stays_and_the_share_is_still_reported(monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr("sglang_tts.sglang.runtime.time", clock)
+    runtime, registry = _runtime(monkeypatch, update_budget=0.1, update_stride=3, stride_pinned=True, guard=False)
+    _slow_updates(runtime, clock, 0.030)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        _round(runtime, generator, ["a"])
+        clock.now += 0.040
+    assert runtime.config.update_stride == 3 and runtime.distiller.stats.num_updates == 19  # the 20th: next barrier
+    # Far above the budget, and reported: 30 ms of every 3 x 40 + 30 ms.
+    assert runtime.counters("a").update_share == pytest.approx(30 / 150, rel=0.1)
+    assert registry.get_sample_value("sglang_tts:update_share") == pytest.approx(30 / 150, rel=0.1)
+
+
+def test_guard_resets_reach_the_requests_and_prometheus(monkeypatch):
+    from sglang_tts.core.guard import SCOPE_UNIT
+
+    runtime, registry = _runtime(monkeypatch, update_stride=1)
+    generator = torch.Generator().manual_seed(0)
+    _round(runtime, generator, ["a", "b"])
+    runtime.distiller._guard_resets.add(SCOPE_UNIT)  # as a guard verdict leaves it for the barrier
+    _round(runtime, generator, ["a", "b"])
+    assert runtime.distiller.stats.num_guard_resets == 1
+    assert runtime.counters("a").guard_resets == runtime.counters("b").guard_resets == 1
+    assert registry.get_sample_value("sglang_tts:guard_resets_total") == 1
