@@ -540,7 +540,7 @@ def _publish_rounds(ctx: Context, capture: bool, rounds: int = 12, stride: int =
     # Captured before any update exists: no other thread touches CUDA during capture.
     draft = capture_draft(serving, inputs) if capture else (lambda: draft_logits(serving, inputs))
     config = TTSConfig(update_stride=stride, lr=1e-2, reg_lambda=0.0, log_interval=0, scope="global")
-    distiller = Distiller(serving, config, make_executor(ctx.device, sync=False))
+    distiller = Distiller(serving, config, make_executor(ctx.device, sync=False, cpu_thread=True))
     stepped = _signal_after_step(distiller, ctx.cuda)
     names = distiller.train_names
     serving_named = dict(serving.trainable_named_parameters())

@@ -402,7 +402,7 @@ def measure_serving(
                 worker_ms.append((time.perf_counter() - start) * 1e3)
                 i += 1
 
-        executor = make_executor(device, sync=False)
+        executor = make_executor(device, sync=False, cpu_thread=True)  # the worker thread, on CPU too
         executor.submit(updates_back_to_back)
         with_worker: list[float] = []
         try:

@@ -178,6 +178,21 @@ def _select_trainable(named: list[tuple[str, nn.Parameter]], prefixes: tuple[str
 def _training_copy(drafter: nn.Module, train_names: list[str]) -> nn.Module:
     """A deep copy whose selected trainable parameters are new tensors; everything else (frozen
     weights such as a borrowed target LM head, and buffers) is shared with `drafter`."""
+    return _copy_parameters(drafter, train_names)
+
+
+def _base_copy(drafter: nn.Module, train_names: list[str]) -> tuple[nn.Module, list[torch.Tensor]]:
+    """The base drafter: a copy of `drafter` whose trained parameters are frozen new tensors at their
+    current (starting) values; and those tensors, in train_names order."""
+    base = _copy_parameters(drafter, train_names)
+    named = dict(base.trainable_named_parameters())
+    tensors = [named[n] for n in train_names]
+    for t in tensors:
+        t.requires_grad_(False)
+    return base, [t.detach() for t in tensors]
+
+
+def _copy_parameters(drafter: nn.Module, train_names: list[str]) -> nn.Module:
     trained = dict(drafter.trainable_named_parameters())
     copied_ids = {id(trained[n]) for n in train_names}
     memo = {id(t): t for t in itertools.chain(drafter.parameters(), drafter.buffers()) if id(t) not in copied_ids}
@@ -218,11 +233,7 @@ class Distiller:
         self.device = self.train_params[0].device
         # The base drafter: the training copy's structure with the trained parameters at their
         # starting values (what reset() restores and what the guard scores against); frozen weights shared.
-        self.base_drafter: nn.Module = _training_copy(self.trained_drafter, self.train_names)
-        base_named = dict(self.base_drafter.trainable_named_parameters())
-        self.base_weights = [base_named[n].detach() for n in self.train_names]
-        for p in self.base_drafter.parameters():
-            p.requires_grad_(False)
+        self.base_drafter, self.base_weights = _base_copy(self.trained_drafter, self.train_names)
         self.guard: DoNoHarmGuard | None = (
             DoNoHarmGuard(self.config.guard_window, self.config.guard_margin)
             if self.config.guard and self.config.verify_updates

@@ -82,7 +82,7 @@ def test_sglangs_own_adaptive_rule_runs_tts_losslessly(loopy_llama, loopy_eagle3
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3),
         "--speculative-num-steps", "1", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "2",
-        "--tts-lr", "1e-2", "--tts-update-stride", "2",
+        "--tts-lr", "1e-2", "--tts-update-stride", "2", "--tts-cpu-thread",
         "--speculative-adaptive", "--speculative-adaptive-config", str(config),
     ]  # fmt: skip
     details = {"tts_return_accept_lengths": True}

@@ -20,7 +20,7 @@ BLOCK = 4
 
 def _worker(stride: int) -> TTSDFlashWorker:
     """The worker's TTS half (SGLang's half is not constructed)."""
-    config = TTSConfig(update_stride=stride, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
+    config = TTSConfig(update_stride=stride, stride_pinned=True, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
     worker = object.__new__(TTSDFlashWorker)
     worker.tts = TTSRuntime(core.TinyDrafter(), config, None, "cpu")
     worker.tts.metrics = SchedulerMetrics(CollectorRegistry())

@@ -22,7 +22,7 @@ N = 4  # draft tokens per request (chain of 3 + the verified token)
 
 def _worker(stride: int, context_reads: list[int]) -> TTSEagleWorker:
     """The worker's TTS half on a tiny drafter; SGLang's half is not constructed."""
-    config = TTSConfig(update_stride=stride, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
+    config = TTSConfig(update_stride=stride, stride_pinned=True, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
     worker = object.__new__(TTSEagleWorker)
     worker.tts = TTSRuntime(core.TinyDrafter(), config, None, "cpu")
     worker.tts.metrics = SchedulerMetrics(CollectorRegistry())
