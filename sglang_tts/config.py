@@ -38,6 +38,9 @@ class TTSConfig:
     guard: bool = True
     guard_window: int = 16
     guard_margin: float = 0.02
+    # Score every Nth update only: a DFlash drafter's score reads the target's whole LM head (30 ms on
+    # SmolLM2, 100 ms on Qwen2.5-0.5B on CPU, docs/update-cost.md); EAGLE-3's draft head is small.
+    guard_interval: int = 1
     # 3e-5..1e-4 helped in the small-scale check; 3e-4 and above hurt (notes/premise-test).
     lr: float = 1e-4
     # lambda of the KL(q_t || q) regulariser; 0 disables it (saves one no-grad drafter forward).
@@ -183,6 +186,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-min-stride {self.min_stride} is above --tts-max-stride {self.max_stride}")
         if not isinstance(self.guard_window, int) or isinstance(self.guard_window, bool) or self.guard_window < 1:
             raise TTSConfigError(f"--tts-guard-window must be an integer >= 1, got {self.guard_window!r}")
+        if not isinstance(self.guard_interval, int) or isinstance(self.guard_interval, bool) or self.guard_interval < 1:
+            raise TTSConfigError(f"--tts-guard-interval must be an integer >= 1, got {self.guard_interval!r}")
         if not (0.0 <= self.guard_margin < 1.0):
             raise TTSConfigError(f"--tts-guard-margin must be in [0, 1), got {self.guard_margin!r}")
         return self

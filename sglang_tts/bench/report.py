@@ -649,8 +649,9 @@ def plot_acceptance_by_position(aggregates: Aggregates, path: Path) -> Path | No
 
 
 def plot_stride_sweep(aggregates: Aggregates, path: Path) -> Path | None:
-    """Acceptance and tokens/s relative to frozen vs the update stride S (async solid, sync dashed)."""
-    kinds = [k for k in _kinds(aggregates) if _tts_all(aggregates, k)]
+    """Acceptance and tokens/s relative to frozen vs the update stride S (async solid, sync dashed).
+    Configurations whose stride the update budget picks (``tts``, no fixed S) have no place on it."""
+    kinds = [k for k in _kinds(aggregates) if any(s.stride for s in _tts_all(aggregates, k))]
     if not kinds:
         return None
     plt = pyplot()
@@ -661,7 +662,7 @@ def plot_stride_sweep(aggregates: Aggregates, path: Path) -> Path | None:
     for kind in kinds:
         frozen = aggregates.summary(f"{kind}:frozen")
         for sync in (False, True):
-            rows = [s for s in _tts_all(aggregates, kind) if s.sync == sync]
+            rows = [s for s in _tts_all(aggregates, kind) if s.sync == sync and s.stride]
             label = f"{kind} {'sync (--tts-sync)' if sync else 'async'}"
             style = "--" if sync else "-"
             for ax, attr in ((left, "accept_mean"), (right, "tokens_per_s")):

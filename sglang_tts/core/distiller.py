@@ -247,6 +247,7 @@ class Distiller:
         # engine's update budget measures its cost there).
         self.on_update_done: Callable[[UpdateResult], None] | None = None
         self._stepped = False  # the running update has taken an optimizer step (worker thread only)
+        self._guard_tick = -1  # updates that reached the guard's scoring (worker thread only)
         self.optimizer = self._make_optimizer()
         groups = getattr(self.trained_drafter, "isolation_groups", None)
         self._clip_groups = groups(self.train_names) if groups else [list(range(len(self.train_params)))]
@@ -524,10 +525,15 @@ class Distiller:
         outcome = UpdateOutcome(
             "ok", loss=first_loss, kl_teacher=first_kl, num_positions=num_positions, steps=cfg.steps_per_update
         )
-        if self.guard is not None and served:
+        if self.guard is not None and served and self._scored_updates():
             with self._phase("guard"):
                 self._score(canvas, served[0], teacher, mask, outcome)
         return outcome
+
+    def _scored_updates(self) -> bool:
+        """Does this update score for the guard? Every `guard_interval`th (worker thread; its own count)."""
+        self._guard_tick += 1
+        return self._guard_tick % self.config.guard_interval == 0
 
     @torch.no_grad()
     def _score(

@@ -91,6 +91,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"type": _on_off, "metavar": "on|off", "help": "Do-no-harm guard: reset a drafter worse than base."},
     ),
     "--tts-guard-window": ("guard_window", {"type": _positive_int, "help": "Updates the guard compares over."}),
+    "--tts-guard-interval": ("guard_interval", {"type": _positive_int, "help": "Score every Nth update only."}),
     "--tts-guard-margin": ("guard_margin", {"type": float, "help": "Relative shortfall that resets (e.g. 0.02)."}),
     "--tts-lr": ("lr", {"type": float, "help": "Learning rate of the online update."}),
     "--tts-reg-lambda": ("reg_lambda", {"type": float, "help": "Weight of KL(q_t || q) (matters when K > 1)."}),

@@ -113,3 +113,12 @@ def test_reset_and_freed_slots_clear_the_guard(generator):
     assert distiller.guard.num_units == 1
     distiller.reset()
     assert distiller.guard.num_units == 0 and distiller.guard.gain() is None
+
+
+def test_guard_interval_scores_every_kth_update(generator):
+    distiller = Distiller(TinyDrafter(), _config(guard_interval=3), executor=SyncExecutor())
+    scored = []
+    score = distiller._score
+    distiller._score = lambda *args: (scored.append(1), score(*args))
+    _run(distiller, TinyTeacher(), generator, 9)
+    assert distiller.stats.num_updates == 9 and len(scored) == 3
