@@ -127,10 +127,10 @@ class StrideGovernor:
         else:
             self._excess += max(0.0, seconds - base)
 
-    def update_done(self, run_s: float, blocked_s: float, inline: bool = False) -> None:
+    def update_done(self, run_s: float, blocked_s: float) -> None:
         """An update finished (kept, skipped or empty): fold the excess of the rounds it touched (its
-        run time while no base is known). `inline`: it ran on the serving thread (the excess of the
-        round that ran it is then its whole run; kept for the record, measured the same way)."""
+        run time while no base is known). Inline or not, the same measure: inline, the excess of the
+        round that ran it is its whole run."""
         self.num_updates += 1
         if self._touched_unbased > 0.0 or (self._excess == 0.0 and math.isnan(self.base_round_s)):
             cost = max(run_s, blocked_s)  # no base for the rounds it touched: charge its whole run

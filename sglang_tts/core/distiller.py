@@ -107,8 +107,8 @@ class UpdateOutcome:
     kind: Literal["verify", "prompt"] = "verify"
     last_loss: float = math.nan  # prompt updates: the loss before their last step
     steps: int = 0  # optimizer steps taken
-    # Do-no-harm scores (core/guard.py), one per canvas row that has a unit: the adapted drafter's
-    # and the base drafter's expected tokens on this canvas, before the step.
+    # Do-no-harm scores (core/guard.py), one per canvas row that has a unit: whether the adapted
+    # drafter's and the base drafter's top token at the canvas's first position is the target's.
     guard_units: list[int] | None = None
     guard_adapted: list[float] | None = None
     guard_base: list[float] | None = None
@@ -498,21 +498,21 @@ class Distiller:
             prev_logits = drafter.canvas_logits(canvas) if use_reg else None
 
         reg_lambda = cfg.reg_lambda if use_reg else 0.0
-        served: list[torch.Tensor] = []  # step 0's logits (or hidden): the drafter that drafted this canvas
+        served: list[torch.Tensor] = []  # step 0's logits (or hidden) at the first position, for the guard
 
         def forward(step: int) -> tuple[torch.Tensor, float]:
             if getattr(drafter, "lm_head_per_row", False):  # per-request LM heads: nothing to fuse
                 with self._phase("forward"):
                     logits = drafter.canvas_logits(canvas)
                 if step == 0:
-                    served.append(logits.detach())
+                    served.append(logits[:, :1].detach())
                 with self._phase("loss"):
                     out = tts_loss(logits, teacher, weights, mask, prev_logits, reg_lambda)
             else:
                 with self._phase("forward"):
                     hidden = drafter.canvas_hidden(canvas)
                 if step == 0:
-                    served.append(hidden.detach())
+                    served.append(hidden[:, :1].detach())
                 with self._phase("loss"):
                     head = drafter.lm_head_weight()
                     out = compute_loss(hidden, head, teacher, weights, mask, prev_logits, reg_lambda, cfg.loss_backend)
@@ -540,16 +540,17 @@ class Distiller:
         self, canvas: Canvas, served: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor, outcome: UpdateOutcome
     ) -> None:
         """The guard's paired scores (core/guard.py) at the canvas's first position: whether the
-        drafter's top token there is the target's, for the drafter that drafted this canvas (step 0's
-        forward, before any step) and for the base drafter, per canvas row with a unit. The first
+        drafter's top token there is the target's, for the drafter that drafted this canvas (`served`:
+        step 0's forward at that position, before any step) and for the base drafter, per canvas row
+        with a unit. The first
         position only, because it decides whether a round gains anything, and because it keeps the
         base drafter's forward to one draft step (EAGLE-3) and the LM head to one read for both."""
         drafter = self.trained_drafter
         first = canvas.prefix(1)
         if getattr(drafter, "lm_head_per_row", False):
-            adapted_logits, base_logits = served[:, :1], self.base_drafter.canvas_logits(first)
+            adapted_logits, base_logits = served, self.base_drafter.canvas_logits(first)
         else:
-            hidden = torch.cat((served[:, :1], self.base_drafter.canvas_hidden(first)))  # [2B, 1, H]
+            hidden = torch.cat((served, self.base_drafter.canvas_hidden(first)))  # [2B, 1, H]
             logits = hidden @ drafter.lm_head_weight().detach().t()
             adapted_logits, base_logits = logits.chunk(2)
         adapted = greedy_scores(adapted_logits, teacher[:, :1], mask[:, :1])

@@ -24,11 +24,11 @@ must not be reset by chance. The same windows give `gain()`: the adapted drafter
 acceptance gain over base, pooled over the units, which the update budget (core/budget.py) uses
 as its default.
 
-Caveat: the canvas is the path the adapted drafter's own draft left accepted, so its positions
-lean towards where that drafter was right; the comparison is paired but not unbiased, and it
-leans towards keeping the adapted drafter (a reset needs a clear loss).
+Caveat: the canvas is the path the adapted drafter's own draft left accepted, so positions past the
+first lean towards where that drafter was right; the first position, the one the Distiller scores,
+is the same for both drafters, so its comparison is paired and unbiased.
 
-Engine independent; the Distiller computes the scores (`acceptance_scores`) in the update and
+Engine independent; the Distiller computes the scores (`greedy_scores`) in the update and
 feeds them here on the serving thread.
 """
 

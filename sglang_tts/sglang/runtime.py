@@ -201,7 +201,7 @@ class TTSRuntime:
     def _update_done(self, result: UpdateResult) -> None:
         """The Distiller absorbed an update (serving thread): its cost and the guard's gain go to the budget."""
         timing = result.timing
-        self.governor.update_done(timing.run_s, timing.wait_blocked_s, self.distiller.executor.inline)
+        self.governor.update_done(timing.run_s, timing.wait_blocked_s)
         stats = self.distiller.stats
         settled = stats.scope_updates >= self.config.guard_window
         self.governor.observe_gain(None if math.isnan(stats.guard_gain) else stats.guard_gain, settled)

@@ -19,7 +19,7 @@ def _serve(gov: StrideGovernor, rounds: int, round_s: float, update_s: float, in
         extra += update_s / 2 if in_flight else 0.0
         gov.round_done(round_s + extra, batch_size=1, touched=submits or in_flight)
         if submits:
-            gov.update_done(run_s=update_s, blocked_s=update_s if inline else 0.0, inline=inline)
+            gov.update_done(run_s=update_s, blocked_s=update_s if inline else 0.0)
 
 
 def test_cost_is_measured_from_the_rounds_an_update_touches():
