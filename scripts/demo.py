@@ -1,5 +1,6 @@
-"""The main job in one command: the default model served with its trained EAGLE-3 drafter, frozen and
-with TTS, on one long answer; prints what TTS changed and writes it as JSON and a PNG.
+"""The main job in one command: the default model served without speculation, then with its trained
+EAGLE-3 drafter frozen, with TTS, and with TTS plus hybrid drafting, on one long answer; prints what
+each changed and writes it as JSON and a PNG.
 
     .venv/bin/python scripts/demo.py [--max-tokens 512] [--question TEXT] [--out tts-demo]
 
@@ -7,11 +8,13 @@ with TTS, on one long answer; prints what TTS changed and writes it as JSON and 
 2. takes the EAGLE-3 drafter that ships with the package (sglang_tts/drafters/shipped/, trained by
    scripts/train_drafter.py; its training.json has the commands), or --drafter PATH;
    --untrained writes a random drafter instead (acceptance then stays near 1: the path, not the gain);
-3. starts `python -m sglang.launch_server ... --speculative-algorithm TTS` twice, first with
-   --tts-freeze (the same drafter, never updated), and sends each the same greedy chat request
-   through the OpenAI client;
-4. prints the TTS answer, then acceptance by quarter of the output (frozen vs TTS), the updates
-   made, tokens/s of each, whether the two answers are identical, and a warning if the answer loops;
+3. starts `python -m sglang.launch_server` four times, one server after the other: the target alone,
+   then `--speculative-algorithm TTS` with --tts-freeze (the same drafter, never updated), as it is,
+   and with --tts-hybrid on (a suffix chain where it beats the drafter's), and sends each the same
+   greedy chat request through the OpenAI client;
+4. prints the TTS answer, then acceptance by quarter of the output, the updates made, which proposer
+   the hybrid verified, tokens/s of each, whether the answers are identical, and a warning if the
+   answer loops;
    writes OUT/demo.json, OUT/demo.md and OUT/demo.png; stops the servers.
 """
 
@@ -68,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=512)
     ap.add_argument("--question", default=QUESTION)
     ap.add_argument("--out", type=Path, default=Path("tts-demo"), help="where demo.json, demo.md and demo.png go")
-    ap.add_argument("--extra-args", default="", help="more launch_server flags for both servers, e.g. '--tts-lr 3e-4'")
+    ap.add_argument(
+        "--extra-args", default="", help="more launch_server flags for the speculative servers, e.g. '--tts-lr 3e-4'"
+    )
     args = ap.parse_args(argv)
 
     model = resolve_model(args.model)

@@ -114,6 +114,11 @@ class TTSConfig:
     # they change (every update), so a client could make every round of every request pay for it:
     # off unless the operator turns it on (tests, audits).
     allow_weight_digest: bool = False
+    # RL weight sync (sglang/weight_sync.py): what the adapted drafter(s) do when the target's weights
+    # change through SGLang's weight-update endpoints. "reset": back to base (fresh optimizer state)
+    # before the next round: what was adapted fitted the old policy, and every policy starts from the
+    # same drafter. "keep": adapt on from where they are (the policy moves little per RL step).
+    on_target_update: Literal["keep", "reset"] = "reset"
     # RL controller (sglang_tts/control): a policy file that picks the draft chain length and the
     # update stride every few rounds; None keeps the fixed flags. EAGLE-3 chains (topk 1) only.
     controller: str | None = None
@@ -121,6 +126,16 @@ class TTSConfig:
     controller_learn: bool = False
     # Append the controller's (state, action, reward) records to this JSONL file (offline training).
     controller_trace: str | None = None
+    # Hybrid drafting (core/hybrid.py, sglang/hybrid.py; EAGLE-3 chains): per request and round, verify
+    # a suffix chain from SGLang's NGRAM corpus (prompt, output, other live requests) instead of the
+    # drafter's when it is at least `hybrid_min_match` tokens (0: the whole chain) and its expected
+    # accepted tokens on this request are at least the drafter's minus `hybrid_margin`.
+    hybrid: bool = False
+    hybrid_min_match: int = 0
+    hybrid_margin: float = 0.0
+    # What the drafter trains on: "all" verified rounds (the target teaches whoever proposed), or only
+    # the "drafter"'s own rounds (the spans the suffix proposer drafts are left out).
+    hybrid_train: Literal["all", "drafter"] = "all"
 
     def validate(self) -> TTSConfig:
         self._check_finite()
@@ -175,6 +190,8 @@ class TTSConfig:
             )
         if self.prompt_lr is not None and not (0.0 < self.prompt_lr <= 1e-1):
             raise TTSConfigError(f"--tts-prompt-lr must be in (0, 0.1], got {self.prompt_lr!r}")
+        if self.on_target_update not in ("keep", "reset"):
+            raise TTSConfigError(f"--tts-on-target-update must be keep|reset, got {self.on_target_update!r}")
         if self.log_interval < 0:
             raise TTSConfigError("--tts-log-interval must be >= 0")
         if self.update_budget is not None and not (0.0 < self.update_budget < 1.0):
@@ -190,6 +207,10 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-guard-interval must be an integer >= 1, got {self.guard_interval!r}")
         if not (0.0 <= self.guard_margin < 1.0):
             raise TTSConfigError(f"--tts-guard-margin must be in [0, 1), got {self.guard_margin!r}")
+        if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 0:
+            raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
+        if self.hybrid_train not in ("all", "drafter"):
+            raise TTSConfigError(f"--tts-hybrid-train must be all|drafter, got {self.hybrid_train!r}")
         return self
 
     @property

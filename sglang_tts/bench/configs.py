@@ -65,6 +65,9 @@ NGRAM_ARGS = (
     "--speculative-ngram-max-bfs-breadth",
     str(NGRAM_MAX_BFS_BREADTH),
 )
+# Tags every run knows without --variant: `frozen+hybrid`, `tts+hybrid`, `tts-s2+hybrid` (hybrid drafting:
+# the suffix proposer's chain where it beats the drafter's, sglang/hybrid.py).
+BUILTIN_VARIANTS: dict[str, tuple[str, ...]] = {"hybrid": ("--tts-hybrid", "on")}
 # Configurations that serve no drafter: one server each, never per kind, and no kind prefix.
 DRAFTERLESS = ("no-spec", "ngram")
 
@@ -269,7 +272,7 @@ def build_configs(
     a name's ``+TAG`` flags (``variants[TAG]``) go last.
     """
     specs = [parse_config_name(name) for name in names]
-    variants = dict(variants or {})
+    variants = {**BUILTIN_VARIANTS, **(variants or {})}
     for spec in specs:
         missing = [tag for tag in spec.tags if tag not in variants]
         if missing:

@@ -1,11 +1,13 @@
-"""The demo: one long greedy answer served by the same drafter frozen and with TTS, side by side.
+"""The demo: one long greedy answer served without speculation, and by the same drafter frozen, with
+TTS, and with TTS and hybrid drafting, side by side.
 
-Two SGLang servers with ``--speculative-algorithm TTS``, one with ``--tts-freeze`` (the same code
-path, no updates), one after the other, each answering the same chat request through the OpenAI
-client. What comes back is compared: acceptance (tokens per verify round, bonus included) by quarter
-of the output, TTS's updates, tokens per second,
-whether the two answers are identical (they must be: TTS changes what is proposed, never what is
-emitted), and the answer's repetition score (a looping answer is easy to draft, so its late
+Four SGLang servers, one after the other, each answering the same chat request through the OpenAI
+client: the target alone (no speculation), then ``--speculative-algorithm TTS`` with ``--tts-freeze``
+(the same code path, no updates), as it is, and with ``--tts-hybrid on`` (a suffix chain where it
+beats the drafter's, docs/hybrid.md). What comes back is compared: acceptance (tokens per verify
+round, bonus included) by quarter of the output, TTS's updates, which proposer the hybrid verified,
+tokens per second, whether the answers are identical (they must be: speculation changes what is
+proposed, never what is emitted), and the answer's repetition score (a looping answer is easy to draft, so its late
 acceptance measures the loop, not the drafter). `run_demo` returns the result; `render` prints it;
 `write_outputs` writes ``demo.json`` and ``demo.png``.
 """
@@ -29,14 +31,16 @@ from sglang_tts.data.prompts import format_chat
 QUESTION = format_chat(
     "The product of two consecutive positive even integers is 288. What is the greater of the two integers?"
 )[0]["content"]
-VARIANTS = ("frozen", "TTS")
+VARIANTS = ("no-spec", "frozen", "TTS", "hybrid")
+SPECULATIVE = ("frozen", "TTS", "hybrid")
+LABELS = {"no-spec": "no speculation", "frozen": "frozen", "TTS": "TTS", "hybrid": "TTS+hybrid"}
 
 
 @dataclass
 class Answer:
     """One variant's answer to the demo request, as the server reported it."""
 
-    variant: str  # "frozen" | "TTS"
+    variant: str  # "no-spec" | "frozen" | "TTS" | "hybrid"
     text: str
     completion_tokens: int
     seconds: float  # client-side wall time of the request
@@ -49,6 +53,11 @@ class Answer:
     update_stride: int = 0  # the stride in force at the answer's last round (the update budget's pick)
     update_share: float = 0.0  # the share of serving time updates took (server-wide, as measured)
     guard_resets: int = 0
+    # --tts-hybrid: rounds each proposer drafted, and its accepted drafted tokens (bonus excluded)
+    suffix_rounds: int = 0
+    suffix_accepted: int = 0
+    drafter_rounds: int = 0
+    drafter_accepted: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -81,8 +90,9 @@ class DemoResult:
 
     @property
     def identical(self) -> bool:
-        frozen, tts = self.answers["frozen"], self.answers["TTS"]
-        return frozen.text == tts.text and frozen.completion_tokens == tts.completion_tokens
+        """Every server gave the same answer (speculation changes what is proposed, never what is emitted)."""
+        answers = list(self.answers.values())
+        return all(a.text == answers[0].text and a.completion_tokens == answers[0].completion_tokens for a in answers)
 
     @property
     def loops(self) -> bool:
@@ -129,6 +139,10 @@ def _ask(server: ServerProcess, model: str, variant: str, question: str, max_tok
         update_stride=int(meta.get("tts_update_stride") or 0),
         update_share=float(meta.get("tts_update_share") or 0.0),
         guard_resets=int(meta.get("tts_guard_resets") or 0),
+        suffix_rounds=int(meta.get("tts_suffix_rounds") or 0),
+        suffix_accepted=int(meta.get("tts_suffix_accepted") or 0),
+        drafter_rounds=int(meta.get("tts_drafter_rounds") or 0),
+        drafter_accepted=int(meta.get("tts_drafter_accepted") or 0),
     )
 
 
@@ -143,9 +157,15 @@ def run_demo(
     timeout_s: float = 600.0,
     say=print,
 ) -> DemoResult:
-    """Start a frozen and a TTS server on `model` with `drafter`, ask each `question`, compare."""
+    """Start a server per variant on `model` (the speculative ones with `drafter` and `launch_args`), ask
+    each `question`, compare."""
     common = ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(drafter), *launch_args]
-    variant_args = {"frozen": [*common, "--tts-freeze"], "TTS": common}
+    variant_args = {
+        "no-spec": [],
+        "frozen": [*common, "--tts-freeze"],
+        "TTS": common,
+        "hybrid": [*common, "--tts-hybrid", "on"],
+    }
     answers: dict[str, Answer] = {}
     server_start_s: dict[str, float] = {}
     for variant in VARIANTS:
@@ -178,22 +198,20 @@ def run_demo(
 def render(result: DemoResult) -> str:
     """The demo's table and verdict lines, as printed."""
     frozen, tts = result.answers["frozen"], result.answers["TTS"]
+    hybrid = result.answers.get("hybrid")
     lines = [
         f"TTS demo: {result.model}, {'trained' if result.drafter_trained else 'UNTRAINED'} EAGLE-3 drafter, "
         f"one greedy answer ({tts.completion_tokens} tokens)",
         "",
         "tokens per verify round (bonus included), by quarter of the output:",
-        f"{'':8}{'Q1':>7}{'Q2':>7}{'Q3':>7}{'Q4':>7}{'all':>8}",
+        f"{'':11}{'Q1':>7}{'Q2':>7}{'Q3':>7}{'Q4':>7}{'all':>8}",
     ]
-    for answer in (frozen, tts):
+    for answer in (a for a in (frozen, tts, hybrid) if a is not None):
         cells = "".join(f"{fmt(v):>7}" for v in answer.accept_by_quarter())
-        lines.append(f"{answer.variant:8}{cells}{fmt(answer.accept_mean):>8}")
-    gain = (
-        f" ({100 * (tts.accept_mean / frozen.accept_mean - 1):+.0f}%)"
-        if tts.accept_mean is not None and frozen.accept_mean
-        else ""
-    )
-    lines[-1] += gain
+        label = LABELS[answer.variant]
+        lines.append(f"{label:11}{cells}{fmt(answer.accept_mean):>8}")
+        if answer is not frozen and answer.accept_mean is not None and frozen.accept_mean:
+            lines[-1] += f" ({100 * (answer.accept_mean / frozen.accept_mean - 1):+.0f}%)"
     per_update = tts.update_ms / tts.updates if tts.updates else 0.0
     args = result.launch_args
     if "--tts-sync" in args:
@@ -210,10 +228,10 @@ def render(result: DemoResult) -> str:
         f"({where}); the frozen server made {frozen.updates}",
         f"stride at the end: {tts.update_stride} ({stride}); updates took {100 * tts.update_share:.1f}% of "
         f"serving time; do-no-harm resets: {tts.guard_resets}",
-        f"tokens/s: frozen {frozen.tokens_per_s:.1f}, TTS {tts.tokens_per_s:.1f} "
-        f"({tts.tokens_per_s / frozen.tokens_per_s if frozen.tokens_per_s else float('nan'):.2f}x)",
+        *_hybrid_lines(hybrid),
+        _speed_line(result),
         f"outputs identical: {'yes' if result.identical else 'NO'} "
-        f"({frozen.completion_tokens} and {tts.completion_tokens} tokens)",
+        f"({' and '.join(str(a.completion_tokens) for a in result.answers.values())} tokens)",
         "repetition (distinct word 4-grams per quarter of the answer): "
         + " ".join(fmt(v) for v in result.repetition)
         + (
@@ -229,22 +247,63 @@ def render(result: DemoResult) -> str:
     return "\n".join(lines)
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "nan"
+
+
+def _speed_line(result: DemoResult) -> str:
+    """tokens/s of each server, the speculative ones as a ratio to frozen (and to no speculation)."""
+    answers = result.answers
+    frozen, plain = answers["frozen"], answers.get("no-spec")
+    parts = []
+    for variant, answer in answers.items():
+        text = f"{LABELS[variant]} {answer.tokens_per_s:.1f}"
+        ratios = []
+        if variant in ("TTS", "hybrid"):
+            ratios.append(f"{_ratio(answer.tokens_per_s, frozen.tokens_per_s)} frozen")
+        if plain is not None and variant != "no-spec":
+            ratios.append(f"{_ratio(answer.tokens_per_s, plain.tokens_per_s)} no speculation")
+        parts.append(text + (f" ({', '.join(ratios)})" if ratios else ""))
+    return "tokens/s: " + "; ".join(parts)
+
+
+def _hybrid_lines(hybrid: Answer | None) -> list[str]:
+    if hybrid is None:
+        return []
+    rounds = hybrid.suffix_rounds + hybrid.drafter_rounds
+
+    def per_round(accepted: int, n: int) -> str:
+        return f"{accepted / n:.2f}" if n else "-"
+
+    return [
+        f"TTS+hybrid: suffix chains verified in {hybrid.suffix_rounds} of {rounds} rounds "
+        f"({per_round(hybrid.suffix_accepted, hybrid.suffix_rounds)} drafted tokens accepted per round), "
+        f"the drafter's in {hybrid.drafter_rounds} ({per_round(hybrid.drafter_accepted, hybrid.drafter_rounds)}); "
+        f"{hybrid.updates} updates"
+    ]
+
+
 def plot(result: DemoResult, path: Path, bucket: int = 32) -> Path:
     """Tokens per round along the output, in `bucket`-token windows, frozen vs TTS."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
+    colors = {"frozen": "black", "TTS": "tab:blue", "hybrid": "tab:green"}
     for answer in result.answers.values():
+        if not answer.accept_lengths:
+            continue  # no speculation: no rounds
         sums: dict[int, list[int]] = {}
         for n, start in zip(answer.accept_lengths, round_starts(answer.accept_lengths)):
             sums.setdefault(start // bucket, []).append(n)
         xs = sorted(sums)
-        style = {"color": "black", "linestyle": "--"} if answer.variant == "frozen" else {"color": "tab:blue"}
+        style = {"color": colors.get(answer.variant, "tab:red")}
+        if answer.variant == "frozen":
+            style["linestyle"] = "--"
         ax.plot(
             [(x + 0.5) * bucket for x in xs],
             [sum(sums[x]) / len(sums[x]) for x in xs],
             marker="o",
             markersize=3,
-            label=f"{answer.variant} (mean {fmt(answer.accept_mean)})",
+            label=f"{LABELS.get(answer.variant, answer.variant)} (mean {fmt(answer.accept_mean)})",
             **style,
         )
     ax.set_title(f"{result.model}: acceptance along one answer")
@@ -261,7 +320,7 @@ def plot(result: DemoResult, path: Path, bucket: int = 32) -> Path:
 def markdown(result: DemoResult, command: str) -> str:
     return "\n".join(
         [
-            "# TTS demo: frozen vs TTS on one answer",
+            "# TTS demo: no speculation, frozen, TTS and TTS+hybrid on one answer",
             "",
             f"`{command}`" if command else "",
             "",
@@ -275,7 +334,7 @@ def markdown(result: DemoResult, command: str) -> str:
             "",
             *[f"> {line}" for line in result.question.splitlines()],
             "",
-            "Answer (identical for both servers):" if result.identical else "TTS answer (the frozen one differs):",
+            "Answer (identical for every server):" if result.identical else "TTS answer (another one differs):",
             "",
             "```",
             result.answers["TTS"].text,

@@ -18,10 +18,11 @@ properties of the configuration, not of the batch mix. Each prompt runs once per
 SGLang really batches ``c`` requests), labelled ``greedy-c4``, ``t0.7-c4``. A wave's wall time is
 shared equally by its requests for throughput (pooled tokens / wave seconds = the server's output rate).
 
-SGLang's NGRAM speculation (the ``ngram`` configuration) drafts from one corpus shared by every request of a
-server: the warm-up, the same prompt at another temperature and earlier prompts would feed it. The runner
-empties it (``/flush_cache``, between requests: the server is idle) before each of its requests or waves,
-so an ``ngram`` request drafts from its own text only (its prompt's prefix cache goes too: one prefill).
+SGLang's NGRAM speculation (the ``ngram`` configuration) and TTS's hybrid drafting (``+hybrid``) draft
+from one corpus shared by every request of a server: the warm-up, the same prompt at another temperature
+and earlier prompts would feed it. The runner empties it (``/flush_cache``, between requests: the server
+is idle) before each of its requests or waves, so such a request drafts from its own text only (its
+prompt's prefix cache goes too: one prefill).
 
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
@@ -238,6 +239,13 @@ def _post_json(url: str, payload: dict[str, Any], timeout: float) -> Any:
 def get_json(url: str, timeout: float = 30.0) -> Any:
     with urllib.request.urlopen(url, timeout=timeout) as response:
         return json.loads(response.read())
+
+
+def shares_a_corpus(config: BenchConfig) -> bool:
+    """SGLang's NGRAM and TTS's hybrid drafting (`--tts-hybrid on`) draft from a server-wide corpus."""
+    args = list(config.server_args)
+    hybrid = any(a == "--tts-hybrid" and i + 1 < len(args) and args[i + 1] == "on" for i, a in enumerate(args))
+    return config.variant == "ngram" or hybrid
 
 
 def flush_cache(base_url: str, wait_s: float = 30.0) -> None:
@@ -517,8 +525,9 @@ class Runner:
             self._send(base_url, slot.prompts[0], config.speculative, self.settings.warmup_tokens)
             log.warmup_s = time.perf_counter() - start
         samplings = [replace(self.settings.sampling, temperature=t) for t in self.settings.temperatures]
-        # NGRAM's corpus is server-wide: each request (or wave) starts from an empty one (module docstring).
-        own_text_only = config.variant == "ngram"
+        # NGRAM's corpus (and the hybrid's suffix trie) is server-wide: each request (or wave) starts from an
+        # empty one (module docstring).
+        own_text_only = shares_a_corpus(config)
         for concurrency in self.settings.concurrencies:
             if concurrency == 1:
                 for prompt in slot.prompts:

@@ -120,10 +120,28 @@ def check_parallelism(server_args) -> None:
             raise TTSLaunchError(f"--speculative-algorithm TTS supports {flag} 1 only, got {size} ({why})")
 
 
+def check_hybrid(server_args, config, kind: str) -> None:
+    """--tts-hybrid on: EAGLE-3 chains, verified by SGLang's target-only rule, a fixed chain length."""
+    problems = []
+    if kind != "eagle3":
+        problems.append(f"an EAGLE-3 drafter (got a {kind} drafter)")
+    topk = getattr(server_args, "speculative_eagle_topk", None)
+    if topk not in (None, 1):
+        problems.append(f"--speculative-eagle-topk 1 (a chain), got {topk}")
+    if getattr(server_args, "speculative_use_rejection_sampling", False):
+        problems.append("no --speculative-use-rejection-sampling (a suffix chain has no draft distribution)")
+    if config.controller is not None:
+        problems.append("no --tts-controller (the controller moves the chain length; not combined yet)")
+    if problems:
+        raise TTSLaunchError("--tts-hybrid on needs " + "; ".join(problems))
+
+
 def validate_server_args(server_args) -> None:
     """Run by SGLang at argument resolution, in the launching process, before any worker starts."""
+    from sglang_tts.sglang import compat
     from sglang_tts.sglang.flags import tts_config_from_env
 
+    compat.require(compat.LAUNCH_SCOPES)  # the worker classes TTS subclasses (SGLangMismatchError)
     config = tts_config_from_env()  # re-validates what the flags recorded
     check_parallelism(server_args)
     kind = resolve_drafter(
@@ -140,6 +158,8 @@ def validate_server_args(server_args) -> None:
         # Dense per-request deltas pick one matmul per request present (a host-side loop over a
         # data-dependent set), which a captured CUDA graph cannot replay.
         raise TTSLaunchError("--tts-adapter-rank full needs --disable-cuda-graph on CUDA (or use a rank r)")
+    if config.hybrid:
+        check_hybrid(server_args, config, kind)
     if config.controller is not None:
         from sglang_tts.sglang.adaptive_steps import prepare_launch
 
@@ -172,6 +192,12 @@ def make_spec_class():
     def handle_server_args(self, server_args) -> None:
         # The builtin's defaults and checks (steps/topk/draft tokens, CPU overlap rules, ...).
         builtin_algorithm().handle_server_args(server_args)
+        from sglang_tts.sglang.flags import tts_config_from_env
+
+        if tts_config_from_env().hybrid and not getattr(server_args, "disable_overlap_schedule", True):
+            # The suffix lookup reads each round's committed tokens on the host (as SGLang's NGRAM does).
+            server_args.disable_overlap_schedule = True
+            logger.warning("sglang-tts: --tts-hybrid on turns the overlap scheduler off")
 
     namespace["handle_server_args"] = handle_server_args
     return type("TTSSpecAlgo", (CustomSpecAlgo,), namespace)
@@ -199,7 +225,7 @@ def register_tts_algorithm() -> None:
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
     from sglang.srt.speculative.spec_registry import get_spec
 
-    from sglang_tts.sglang import adaptive_steps, flags, metrics, requests
+    from sglang_tts.sglang import adaptive_steps, flags, metrics, requests, weight_sync
 
     if get_spec(ALGORITHM_NAME) is None:
         SpeculativeAlgorithm.register(
@@ -211,6 +237,7 @@ def register_tts_algorithm() -> None:
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
     metrics.register_hooks(HookRegistry, HookType)
     requests.register_hooks(HookRegistry, HookType)  # every server, with or without TTS
+    weight_sync.register_hooks(HookRegistry, HookType)  # weight updates reach a TTS server's target only
     reason_hook = adaptive_steps.adaptive_reason_hook(ALGORITHM_NAME, lambda: builtin_algorithm().name)
     HookRegistry.register(adaptive_steps.ADAPTIVE_REASON_TARGET, reason_hook, HookType.AROUND)
     _registered = True

@@ -56,6 +56,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             m.attn for m in draft_model.modules() if hasattr(m, "attn") and hasattr(m.attn, "layer_id")
         ]
         self.tts_controller = self._install_controller(config) if config.controller is not None else None
+        self.tts_hybrid = self._install_hybrid(config) if config.hybrid else None
         logger.info("sglang-tts: TTS on EAGLE-3 (%s)", self.tts.describe())
 
     # --- SGLang entry points --------------------------------------------------------------------
@@ -77,13 +78,21 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 self.tts.before_draft(rids)
                 self.tts.bind_batch(batch.reqs)
             self.tts.start_prompt_updates(batch.reqs)  # absorbs its own failures
+            if self.tts_hybrid is not None:
+                with failures.absorb("hybrid", rids):  # on failure: the drafter drafts this round
+                    self.tts_hybrid.install(self.draft_worker)  # the draft graph runner exists by now
+                    self.tts_hybrid.plan_round(batch.reqs, self.speculative_num_steps)
             if control is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
         elif not batch.forward_mode.is_idle():
             self.tts.bind_extend_batch(batch.reqs)  # absorbs its own failures
-        result = super().forward_batch_generation(
-            batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
-        )
+        try:
+            result = super().forward_batch_generation(
+                batch, on_publish=on_publish, grammar_barrier=grammar_barrier, pp_proxy_tensors=pp_proxy_tensors
+            )
+        finally:
+            if self.tts_hybrid is not None:
+                self.tts_hybrid.round_done()
         if control is not None and live:
             with failures.absorb("controller", rids):
                 self._controller_round_done(control, batch, start)
@@ -124,6 +133,44 @@ class TTSEagleWorker(EAGLEWorkerV2):
         )
         return adapter
 
+    def _install_hybrid(self, config):
+        """--tts-hybrid: the suffix proposer's chains in the drafter's slots (sglang/hybrid.py)."""
+        from sglang.srt.runtime_context import get_schedule, get_spec
+
+        from sglang_tts.core.hybrid import HybridRule
+        from sglang_tts.sglang.hybrid import HybridDrafting
+
+        problems = []
+        if self.topk != 1:
+            problems.append(f"--speculative-eagle-topk 1 (a chain), got {self.topk}")
+        if not get_schedule().disable_overlap_schedule:
+            problems.append("--disable-overlap-schedule (the suffix lookup reads the committed tokens on the host)")
+        if get_spec().speculative_use_rejection_sampling:
+            problems.append("no --speculative-use-rejection-sampling (a suffix chain has no draft distribution)")
+        if problems:
+            raise RuntimeError("--tts-hybrid on needs " + "; ".join(problems))
+        steps = self.speculative_num_steps
+        rule = HybridRule(steps, min_match=config.hybrid_min_match, margin=config.hybrid_margin)
+        hybrid = HybridDrafting(steps, rule, self.device)
+        hybrid.install(self.draft_worker)
+        self.tts.hybrid = hybrid
+        logger.info(
+            "sglang-tts: hybrid drafting on (suffix chains of %d tokens from SGLang's NGRAM corpus; min match %d, "
+            "margin %g, training on %s rounds)",
+            steps,
+            rule.min_match,
+            rule.margin,
+            config.hybrid_train,
+        )
+        return hybrid
+
+    def clear_cache_pool(self):
+        """/flush_cache (SGLang calls it when idle): the hybrid's suffix trie and per-request choices go too."""
+        super().clear_cache_pool()
+        if self.tts_hybrid is not None:
+            with self.tts.failures.absorb("hybrid"):
+                self.tts_hybrid.reset()
+
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         verify_input = batch.spec_info
         idle = batch.forward_mode.is_idle()
@@ -157,6 +204,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
 
     def _forward_prefill_batch(self, batch, *args, **kwargs):
         result = super()._forward_prefill_batch(batch, *args, **kwargs)
+        if self.tts_hybrid is not None:
+            with self.tts.failures.absorb("hybrid", [req.rid for req in batch.reqs]):
+                self.tts_hybrid.on_prefill(batch.reqs)
         with self.tts.failures.absorb("prefill_anchor", [req.rid for req in batch.reqs]):
             self.tts.begin_prefill(batch.reqs)  # forgets earlier prefills that finished without decoding
             self._remember_prefill_anchors(batch, result)  # a missing anchor costs one round's canvas
@@ -238,12 +288,18 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 device=self.tts.distiller.device,
             )
             canvas = check_canvas = None
+            # --tts-hybrid: rows of the suffix proposer's chains (not the drafter's prediction)
+            hybrid = self.tts_hybrid
+            suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
             if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
+                if self.tts.config.hybrid_train == "drafter":
+                    rows = [[] if s else r for r, s in zip(rows, suffix)]
                 canvas = build_canvas(rows=rows, buffers=self.tts.capture_buffers(), **common)
             if self.tts.check_fallback and self.topk == 1:
-                # The check re-predicts every drafted token, so it needs the whole chain.
+                # The check re-predicts every drafted token, so it needs the whole chain (the drafter's only).
                 rows = path_rows(1, n, accept_lens, result.accept_index, "full")
+                rows = [[] if s else r for r, s in zip(rows, suffix)]
                 check_canvas = build_canvas(rows=rows, **common)
             self.tts.observe(canvas, check_canvas, owned=True)
         else:

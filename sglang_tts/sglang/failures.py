@@ -33,6 +33,7 @@ SITES = (
     "controller",
     "prompt_capture",
     "prompt",
+    "target_update",  # weight_sync.py: the drafter's side of a target weight update
 )
 FAULT_SITES_ENV = "SGLANG_TTS_FAULT_SITES"
 

@@ -164,9 +164,32 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "allow_weight_digest",
         {"nargs": 0, "help": "Honour requests' tts_return_weight_digest (hashes the drafter per update; debug)."},
     ),
+    "--tts-on-target-update": (
+        "on_target_update",
+        {
+            "choices": ["keep", "reset"],
+            "help": "When a weight update changes the target: reset the adapted drafter to base, or keep adapting.",
+        },
+    ),
     "--tts-controller": (
         "controller",
         {"type": _policy_path, "help": "Policy file of the RL draft/stride controller ('none': fixed flags)."},
+    ),
+    "--tts-hybrid": (
+        "hybrid",
+        {"type": _on_off, "metavar": "on|off", "help": "Hybrid drafting: a suffix chain when it beats the drafter."},
+    ),
+    "--tts-hybrid-min-match": (
+        "hybrid_min_match",
+        {"type": int, "help": "Shortest suffix chain the hybrid takes (0: the whole chain)."},
+    ),
+    "--tts-hybrid-margin": (
+        "hybrid_margin",
+        {"type": float, "help": "Suffix taken while its expected tokens >= the drafter's minus this."},
+    ),
+    "--tts-hybrid-train": (
+        "hybrid_train",
+        {"choices": ["all", "drafter"], "help": "Train on every round, or only on the drafter's rounds."},
     ),
     "--tts-controller-learn": ("controller_learn", {"nargs": 0, "help": "Keep training the controller online."}),
     "--tts-controller-trace": ("controller_trace", {"type": str, "help": "Write controller records (JSONL)."}),

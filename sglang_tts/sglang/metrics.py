@@ -50,6 +50,8 @@ SCALAR_KEYS = (
     "tts_update_stride",
     "tts_update_share",
 )
+# Hybrid drafting only (--tts-hybrid): per proposer, the rounds it drafted and the drafted tokens accepted.
+HYBRID_KEYS = ("tts_suffix_rounds", "tts_suffix_accepted", "tts_drafter_rounds", "tts_drafter_accepted")
 ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
 # audits: proves that weights changed during a request and were reset to base bitwise after it).
@@ -131,6 +133,10 @@ def write_request_info(
         "tts_update_stride": counters.update_stride,
         "tts_update_share": round(counters.update_share, 4),
     }
+    if counters.proposer_rounds is not None:
+        for proposer in ("suffix", "drafter"):
+            snapshot[f"tts_{proposer}_rounds"] = counters.proposer_rounds[proposer]
+            snapshot[f"tts_{proposer}_accepted"] = counters.proposer_accepted[proposer]
     if digest is not None:
         if counters.digest_start is None:
             counters.digest_start = digest
@@ -174,6 +180,9 @@ def finalize_meta_info(meta_info: dict, internal: dict[str, Any] | None = None) 
         # A request without a round in a batch whose others had some reports zeros, as before.
         for key in SCALAR_KEYS:
             meta_info[key] = snapshot.get(key, 0) if snapshot is not None else 0
+        for key in HYBRID_KEYS:
+            if snapshot is not None and key in snapshot:
+                meta_info[key] = snapshot[key]
         if snapshot is not None and DIGEST_START in snapshot:
             meta_info[DIGEST_START] = snapshot[DIGEST_START]
             meta_info[DIGEST_END] = snapshot[DIGEST_END]
@@ -290,11 +299,25 @@ class SchedulerMetrics:
             "Serving time one update costs (EMA; blocked time plus the slowdown of the rounds it overlaps)",
             multiprocess_mode="mostrecent",
         )
+        self.proposer_rounds = Counter(
+            "sglang_tts:proposer_rounds_total", "Request rounds drafted by each proposer (--tts-hybrid)", ["proposer"]
+        )
+        self.proposer_accepted = Counter(
+            "sglang_tts:proposer_accepted_tokens_total",
+            "Drafted tokens accepted, by the proposer that drafted them (--tts-hybrid)",
+            ["proposer"],
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
         self.rounds.inc(len(accept_lengths))
         self.accepted_tokens.inc(sum(accept_lengths.values()))
+
+    def observe_proposers(self, rounds: dict[str, int], accepted: dict[str, int]) -> None:
+        for proposer, n in rounds.items():
+            if n:
+                self.proposer_rounds.labels(proposer=proposer).inc(n)
+                self.proposer_accepted.labels(proposer=proposer).inc(accepted.get(proposer, 0))
 
     def observe_publishing(self, resets: int, failed_publishes: int) -> None:
         if resets:

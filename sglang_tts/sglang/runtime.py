@@ -69,6 +69,9 @@ class RequestCounters:
     guard_resets: int = 0  # do-no-harm resets of the drafter this request drafted with (core/guard.py)
     update_stride: int = 0  # the update stride in force at the request's last round
     update_share: float = 0.0  # the measured share of serving time updates took, at its last round
+    # --tts-hybrid: per proposer ("suffix", "drafter"), the rounds it drafted and its accepted drafted tokens
+    proposer_rounds: dict[str, int] | None = None
+    proposer_accepted: dict[str, int] | None = None
 
 
 class TTSRuntime:
@@ -125,6 +128,7 @@ class TTSRuntime:
         self._round_start: tuple[float, int, bool] | None = None  # (time, batch size, touched) of the open round
         self._stride_due = False  # a finished update asks the governor for the next stride
         self.distiller.on_update_done = self._update_done
+        self.hybrid = None  # --tts-hybrid: the worker's HybridDrafting (sglang/hybrid.py)
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""
@@ -280,6 +284,8 @@ class TTSRuntime:
         return len(self.anchor_features) + len(self.requests) + len(self._prefilled) + len(self.prompt_windows) + slots
 
     def _forget(self, rid: str) -> None:
+        if self.hybrid is not None:
+            self.hybrid.forget([rid])
         self.anchor_features.pop(rid, None)
         self.context_starts.pop(rid, None)
         self.context_lengths.pop(rid, None)
@@ -393,12 +399,30 @@ class TTSRuntime:
         (default: now)."""
         with self.failures.absorb("report", [req.rid for req in reqs]):
             self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
+            if self.hybrid is not None:
+                self._count_proposers(reqs, accept_lengths)
             if digests is None:
                 digests = self._digests(reqs)
             allow_digest = self.config.allow_weight_digest
             for req, accept_len in zip(reqs, accept_lengths):
                 options = request_options(req, allow_digest)
                 tts_metrics.write_request_info(req, self.counters(req.rid), accept_len, options, digests.get(req.rid))
+
+    def _count_proposers(self, reqs, accept_lengths: list[int]) -> None:
+        """--tts-hybrid: which proposer drafted each request's round, and how many of its tokens were accepted."""
+        rounds = {"suffix": 0, "drafter": 0}
+        accepted = {"suffix": 0, "drafter": 0}
+        for req, n in zip(reqs, accept_lengths):
+            proposer = self.hybrid.accepted(req.rid, n - 1)
+            counts = self.hybrid.chooser.counts(req.rid)
+            if proposer is None or counts is None:
+                continue
+            rounds[proposer] += 1
+            accepted[proposer] += n - 1
+            c = self.counters(req.rid)
+            c.proposer_rounds, c.proposer_accepted = counts
+        if self.metrics is not None:
+            self.metrics.observe_proposers(rounds, accepted)
 
     def _digests(self, reqs) -> dict[str, str]:
         """serving_digest() for the requests that asked for it (a debug option: it reads weights)."""

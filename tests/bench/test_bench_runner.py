@@ -460,3 +460,13 @@ def test_default_drafter_is_the_newest_trained_one_else_the_shipped_one(tmp_path
     # an explicit root never falls back to the shipped drafter
     with pytest.raises(configs.ConfigError):
         configs.find_default_drafter("M", "eagle3", root=tmp_path / "elsewhere")
+
+
+def test_hybrid_configurations_flush_their_corpus_like_ngram():
+    from sglang_tts.bench.configs import build_configs
+    from sglang_tts.bench.runner import shares_a_corpus
+
+    configs = build_configs(["no-spec", "ngram", "frozen", "frozen+hybrid", "tts+hybrid"], ["eagle3"], {"eagle3": "d"})
+    by_name = {c.name: c for c in configs}
+    assert by_name["eagle3:tts+hybrid"].server_args[-2:] == ("--tts-hybrid", "on")  # a tag every run knows
+    assert [shares_a_corpus(c) for c in configs] == [False, True, False, True, True]

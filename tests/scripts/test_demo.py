@@ -48,10 +48,26 @@ def test_render_prints_the_table_the_speedup_and_the_loop_warning():
     tts = next(line for line in lines if line.startswith("TTS" + " " * 5))
     assert frozen.split() == ["frozen", "2.00", "2.00", "2.00", "2.00", "2.00"]
     assert tts.split()[:6] == ["TTS", "3.00", "3.00", "3.00", "3.00", "3.00"] and tts.endswith("(+50%)")
-    assert "tokens/s: frozen 2.2, TTS 6.5 (2.89x)" in text
+    assert "tokens/s: frozen 2.2; TTS 6.5 (2.89x frozen)" in text
     assert "outputs identical: NO (9 and 13 tokens)" in text  # different lengths: not identical
     assert "WARNING: the answer loops" in text
     assert "TTS updates: 2 made" in text
+
+
+def test_render_adds_no_speculation_and_the_hybrid_with_its_proposers():
+    result = _result([2, 2, 2, 2], [3, 3, 3, 3])
+    text = "one two three four five six seven eight nine ten " * 4
+    result.answers["no-spec"] = Answer("no-spec", text, 9, 3.0, [])
+    result.answers["hybrid"] = Answer(
+        "hybrid", text, 17, 1.0, [4, 4, 4, 4], suffix_rounds=3, suffix_accepted=9, drafter_rounds=1, drafter_accepted=3
+    )
+    rendered = render(result)
+    hybrid = next(line for line in rendered.splitlines() if line.startswith("TTS+hybrid "))
+    assert hybrid.split()[1:6] == ["4.00"] * 5 and hybrid.endswith("(+100%)")
+    assert "suffix chains verified in 3 of 4 rounds (3.00 drafted tokens accepted per round)" in rendered
+    assert "TTS+hybrid 17.0 (7.56x frozen, 5.67x no speculation)" in rendered
+    assert "no speculation 3.0;" in rendered
+    assert "outputs identical: NO" in rendered  # the answers differ in length
 
 
 def test_the_shipped_drafter_is_the_default_and_the_untrained_one_needs_its_flag(tmp_path, monkeypatch, capsys):
@@ -90,8 +106,11 @@ def test_the_demo_on_the_tiny_looping_pair_prints_its_table_and_writes_json_and_
     assert "outputs identical: yes" in printed
     payload = json.loads((out / "demo.json").read_text())
     frozen, tts = payload["answers"]["frozen"], payload["answers"]["TTS"]
-    assert payload["identical"] and frozen["text"] == tts["text"]
-    assert frozen["updates"] == 0 and tts["updates"] > 0
+    plain, hybrid = payload["answers"]["no-spec"], payload["answers"]["hybrid"]
+    assert payload["identical"] and frozen["text"] == tts["text"] == plain["text"] == hybrid["text"]
+    assert frozen["updates"] == 0 and tts["updates"] > 0 and hybrid["updates"] > 0
+    assert plain["accept_lengths"] == [] and hybrid["suffix_rounds"] > 0  # the tiny pair's answer loops
+    assert hybrid["suffix_rounds"] + hybrid["drafter_rounds"] == len(hybrid["accept_lengths"])
     assert len(tts["accept_by_quarter"]) == 4 and tts["tokens_per_s"] > 0
     # the prefill emits the first token; the last round may run past max_tokens (SGLang trims the output)
     assert tts["completion_tokens"] - 1 <= sum(tts["accept_lengths"]) <= tts["completion_tokens"] + 3

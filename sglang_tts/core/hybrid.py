@@ -1,0 +1,131 @@
+"""Hybrid drafting: per request and per round, verify the suffix proposer's chain or the drafter's.
+
+A suffix proposer (a trie over the prompt, the output so far and the other live requests; no
+model) drafts for free where the answer repeats text it has seen; the learned drafter drafts new
+text. Both fill the same chain of `steps` slots, so the verify shape does not depend on who
+proposed (sglang/hybrid.py puts the chosen chain in place). This module is the rule alone.
+
+The rule (per request): take the suffix chain when it is at least `min_match` tokens long and the
+suffix proposer's expected accepted tokens on this request are at least the drafter's minus
+`margin`. The expectations are exponential moving averages of accepted drafted tokens:
+- the drafter's: from the rounds it drafted (exact: SGLang's accepted length);
+- the suffix proposer's: from the rounds it drafted, and from every other round in which it had a
+  chain of `min_match` tokens, counterfactually: how many of its tokens the committed tokens of that
+  round start with. Under greedy decoding that is exactly what it would have had accepted (a lower
+  bound when all committed tokens match); under sampling, an estimate.
+A new request starts from the averages over all requests (priors), so the first rounds of a
+request that copies its prompt already use the suffix proposer when it has been good elsewhere.
+
+Host ints only: the worker feeds committed tokens it already has on the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+SUFFIX = "suffix"
+DRAFTER = "drafter"
+PROPOSERS = (SUFFIX, DRAFTER)
+
+
+def common_prefix(proposal: Sequence[int], committed: Sequence[int]) -> int:
+    """How many leading tokens of `proposal` equal the committed tokens (what verify would accept)."""
+    n = 0
+    for a, b in zip(proposal, committed):
+        if a != b:
+            break
+        n += 1
+    return n
+
+
+@dataclass
+class HybridRule:
+    steps: int  # drafted tokens per chain (the verify holds steps + 1)
+    min_match: int = 0  # shortest suffix chain the rule takes (0: steps, a full chain)
+    margin: float = 0.0  # suffix taken while its expected tokens >= the drafter's - margin
+    decay: float = 0.5  # weight of the newest round in the moving averages
+
+    def __post_init__(self) -> None:
+        if self.min_match <= 0 or self.min_match > self.steps:
+            self.min_match = self.steps
+
+
+@dataclass
+class _Request:
+    expected: dict[str, float]
+    choice: str = DRAFTER
+    proposal: tuple[int, ...] = ()  # the suffix chain offered this round (empty: shorter than min_match)
+    committed_at: int = -1  # output length when the round was proposed; -1: no round pending
+    rounds: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PROPOSERS})
+    accepted: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PROPOSERS})
+
+
+class HybridChooser:
+    """Per-request proposer choice (HybridRule) and per-proposer counts. State per live request only:
+    `forget` drops a finished request; the priors are two floats."""
+
+    def __init__(self, rule: HybridRule, prior_suffix: float = 0.0, prior_drafter: float = 1.0) -> None:
+        self.rule = rule
+        self.prior = {SUFFIX: prior_suffix, DRAFTER: prior_drafter}
+        self.requests: dict[str, _Request] = {}
+
+    def _state(self, rid: str) -> _Request:
+        state = self.requests.get(rid)
+        if state is None:
+            state = self.requests[rid] = _Request(expected=dict(self.prior))
+        return state
+
+    def _learn(self, state: _Request, proposer: str, tokens: float) -> None:
+        d = self.rule.decay
+        state.expected[proposer] = (1 - d) * state.expected[proposer] + d * tokens
+        self.prior[proposer] = (1 - d / 4) * self.prior[proposer] + d / 4 * tokens
+
+    def choose(self, rid: str, suffix_chain: Sequence[int], committed: Sequence[int]) -> bool:
+        """This round of request `rid`: True to verify `suffix_chain` (the suffix proposer's tokens),
+        False for the drafter's. `committed`: the request's output tokens so far (host ints); the
+        tokens after the length recorded last round are that round's commits, which score the
+        suffix proposer's last offer when the drafter drafted."""
+        state = self._state(rid)
+        if state.committed_at >= 0 and state.choice == DRAFTER and state.proposal:
+            new = committed[state.committed_at :]
+            if new:
+                self._learn(state, SUFFIX, common_prefix(state.proposal, new))
+        offered = len(suffix_chain) >= self.rule.min_match
+        state.proposal = tuple(suffix_chain) if offered else ()
+        state.committed_at = len(committed)
+        take = offered and state.expected[SUFFIX] >= state.expected[DRAFTER] - self.rule.margin
+        state.choice = SUFFIX if take else DRAFTER
+        return take
+
+    def drafter_only(self, rid: str, committed: Sequence[int]) -> None:
+        """This round of `rid` is the drafter's without a choice (no suffix lookup was possible)."""
+        state = self._state(rid)
+        state.proposal, state.committed_at, state.choice = (), len(committed), DRAFTER
+
+    def set_drafter(self, rid: str) -> None:
+        """The drafter drafted this round after all (the suffix chain could not be put in place)."""
+        state = self.requests.get(rid)
+        if state is not None:
+            state.choice = DRAFTER
+
+    def accepted(self, rid: str, num_accepted: int) -> str | None:
+        """SGLang's accepted drafted tokens (bonus excluded) of `rid`'s last round: learned for the
+        proposer that drafted it and counted. Returns that proposer (None: no round was chosen)."""
+        state = self.requests.get(rid)
+        if state is None or state.committed_at < 0:
+            return None
+        proposer = state.choice
+        state.rounds[proposer] += 1
+        state.accepted[proposer] += num_accepted
+        self._learn(state, proposer, num_accepted)
+        if proposer == SUFFIX:
+            state.proposal = ()  # learned from the exact count: not again from the commits
+        return proposer
+
+    def counts(self, rid: str) -> tuple[dict[str, int], dict[str, int]] | None:
+        state = self.requests.get(rid)
+        return None if state is None else (dict(state.rounds), dict(state.accepted))
+
+    def forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)

@@ -1,0 +1,166 @@
+"""Hybrid drafting in SGLang's EAGLE-3 worker: the suffix proposer's chain in the drafter's slots.
+
+Per decode round (`plan`, before the draft): each request's context goes to the suffix proposer
+(sglang/suffix.py), and the rule (core/hybrid.py) picks the chain to verify. The draft itself is
+SGLang's: `draft_forward` (eager) and the draft CUDA graph's `execute` are wrapped so that
+- when every request of the batch takes its suffix chain, the drafter's steps do not run at all
+  (the draft-extend after verify still runs: it keeps the drafter's KV cache whole);
+- otherwise the drafter drafts and the chosen requests' rows are replaced, one device `where`.
+Either way the verify input is SGLang's chain of the same shape (topk 1, `steps` drafted tokens):
+the verify, its CUDA graph and the acceptance rule are untouched. Greedy output is the target's
+whatever was proposed; sampled verification with the default target-only rule stays exact for a
+deterministic proposal (the suffix chain depends on the context only).
+
+The committed tokens are read from `req.output_ids` on the host, which requires the scheduler
+without overlap (SGLang's own NGRAM reads them the same way); the worker refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule
+from sglang_tts.sglang.suffix import SuffixProposer
+
+logger = logging.getLogger(__name__)
+
+# Test hook: SGLANG_TTS_HYBRID_SPLIT=1 gives every other request (by a hash of its id) the suffix
+# proposer's chain, however short (0-padded), and the others the drafter's: a batch that mixes
+# proposers from its first round, for the distribution tests. Never a serving setting.
+SPLIT_ENV = "SGLANG_TTS_HYBRID_SPLIT"
+
+
+@dataclass
+class RoundPlan:
+    request_ids: list[str]
+    use_suffix: list[bool]  # per request of the batch
+    tokens: torch.Tensor | None  # [bs, steps] suffix chains (0-padded), on the device; None: none taken
+    mask: torch.Tensor | None  # [bs, 1] bool, on the device
+
+    @property
+    def all_suffix(self) -> bool:
+        return bool(self.use_suffix) and all(self.use_suffix)
+
+    @property
+    def any_suffix(self) -> bool:
+        return any(self.use_suffix)
+
+
+def _tail(req, n: int) -> tuple[list[int], int]:
+    """The last `n` tokens of the request's context (prompt, then output) and the context's length."""
+    prompt, output = req.origin_input_ids_unpadded, req.output_ids
+    tail = list(output[-n:])
+    if len(tail) < n:
+        tail = [*prompt[len(prompt) - (n - len(tail)) :], *tail] if len(prompt) > n - len(tail) else [*prompt, *tail]
+    return tail, len(prompt) + len(output)
+
+
+class HybridDrafting:
+    def __init__(self, steps: int, rule: HybridRule, device, proposer: SuffixProposer | None = None) -> None:
+        self.steps = steps
+        self.device = torch.device(device)
+        self.proposer = proposer if proposer is not None else SuffixProposer(steps)
+        self.chooser = HybridChooser(rule)
+        self.plan: RoundPlan | None = None
+        self._prompted: set[str] = set()  # requests whose prompt is in the trie (live ones only)
+        self.split = os.environ.get(SPLIT_ENV, "0") == "1"
+        self.skipped_drafts = 0  # rounds whose drafter steps did not run (every request took its suffix)
+
+    def reset(self) -> None:
+        """Forget everything: the trie, the per-request state and what other requests taught (a cache flush)."""
+        self.proposer.reset()
+        self.chooser = HybridChooser(self.chooser.rule)
+        self._prompted.clear()
+        self.plan = None
+
+    # --- per round ---------------------------------------------------------------------------
+
+    def on_prefill(self, reqs) -> None:
+        """A prefill batch: its prompts enter the trie (a prompt prefilled in chunks: once)."""
+        new = [req for req in reqs if req.rid not in self._prompted]
+        self._prompted.update(req.rid for req in new)
+        self.proposer.add_prompts([req.origin_input_ids_unpadded for req in new])
+
+    def plan_round(self, reqs, steps: int) -> RoundPlan:
+        """Before the draft of a decode round: who verifies the suffix chain."""
+        rids = [req.rid for req in reqs]
+        if steps != self.steps:  # the drafter's chain length moved (adaptive steps): drafter only
+            for rid, req in zip(rids, reqs):
+                self.chooser.drafter_only(rid, req.output_ids)
+            self.plan = RoundPlan(rids, [False] * len(reqs), None, None)
+            return self.plan
+        tails, lengths = zip(*(_tail(req, self.proposer.depth) for req in reqs))
+        self.proposer.observe(tails)  # the last round's commits: the newest n-grams of the batch
+        chains = self.proposer.propose(rids, tails, lengths)
+        use = [self.chooser.choose(rid, chain, req.output_ids) for rid, chain, req in zip(rids, chains, reqs)]
+        if self.split:
+            use = [zlib.crc32(rid.encode()) % 2 == 0 for rid in rids]
+            for rid, u in zip(rids, use):
+                self.chooser.requests[rid].choice = SUFFIX if u else DRAFTER
+        tokens = mask = None
+        if any(use):
+            pad = [0] * self.steps
+            rows = [(chain + pad)[: self.steps] if u else pad for chain, u in zip(chains, use)]
+            tokens = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
+            mask = torch.tensor(use, dtype=torch.bool).view(-1, 1).to(self.device, non_blocking=True)
+        self.plan = RoundPlan(rids, use, tokens, mask)
+        return self.plan
+
+    def round_done(self) -> None:
+        self.plan = None
+
+    def accepted(self, rid: str, num_accepted: int) -> str | None:
+        return self.chooser.accepted(rid, num_accepted)
+
+    def forget(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            self.chooser.forget(rid)
+            self._prompted.discard(rid)
+        self.proposer.forget(rids)
+
+    # --- the draft -----------------------------------------------------------------------------
+
+    def install(self, draft_worker) -> None:
+        """Wrap SGLang's draft step(s): `draft_forward` (eager) and, once it exists, the draft CUDA
+        graph runner's `execute` (created after the worker, at CUDA graph capture). Idempotent."""
+        if not getattr(draft_worker.draft_forward, "_tts_hybrid", False):
+            draft_worker.draft_forward = self._wrap(draft_worker.draft_forward, draft_worker)
+        runner = getattr(draft_worker, "cuda_graph_runner", None)
+        if runner is not None and not getattr(runner.execute, "_tts_hybrid", False):
+            runner.execute = self._wrap(runner.execute, draft_worker)
+
+    def _wrap(self, run: Callable, draft_worker) -> Callable:
+        """`run(forward_batch) -> (parent_list, top_scores_index, draft_tokens [bs, steps], draft_probs)`
+        with the round's plan applied. The skipped draft returns SGLang's preallocated topk-1 chain
+        layout (`_topk1_parents_prealloc`, `_topk1_score_indices_prealloc`: [max_bs, ...])."""
+
+        def hybrid_run(forward_batch, *args, **kwargs):
+            plan = self.plan
+            if plan is None or not plan.any_suffix or forward_batch.forward_mode.is_idle():
+                return run(forward_batch, *args, **kwargs)
+            bs = len(plan.use_suffix)
+            parents = draft_worker._topk1_parents_prealloc
+            if plan.all_suffix and bs <= parents.shape[0]:
+                self.skipped_drafts += 1
+                return parents[:bs], draft_worker._topk1_score_indices_prealloc[:bs], plan.tokens, None
+            parent_list, top_scores_index, draft_tokens, draft_probs = run(forward_batch, *args, **kwargs)
+            if draft_tokens.shape != plan.tokens.shape:  # padded graph batch or another layout: as drafted
+                for rid in plan.request_ids:
+                    self.chooser.set_drafter(rid)
+                self.plan = RoundPlan(plan.request_ids, [False] * bs, None, None)
+                return parent_list, top_scores_index, draft_tokens, draft_probs
+            merged = torch.where(plan.mask, plan.tokens.to(draft_tokens.dtype), draft_tokens)
+            return parent_list, top_scores_index, merged, draft_probs
+
+        hybrid_run._tts_hybrid = True
+        return hybrid_run
+
+    def proposer_of(self, index: int) -> str:
+        plan = self.plan
+        return SUFFIX if plan is not None and plan.use_suffix[index] else DRAFTER

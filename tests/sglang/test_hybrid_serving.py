@@ -1,0 +1,104 @@
+"""`--tts-hybrid on` end to end: real SGLang servers on CPU, tiny models.
+
+The loopy target's greedy output settles into a short cycle after ~40 tokens: text the suffix
+proposer drafts whole once it has seen one cycle, while the random drafter accepts ~1 token per
+round. The hybrid must stay lossless (greedy: the target's tokens; sampled: the target's
+distribution, in a batch that mixes proposers), take the suffix chain there, report both
+proposers per request, and keep training the drafter.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+
+from sglang_tts.bench.server import sglang_server
+from sglang_tts.sglang.hybrid import SPLIT_ENV
+from sglang_tts.testing.reference import assert_sampling_keeps_target_distribution, generate_ids, hf_greedy
+
+PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5]]
+NEW_TOKENS = 200
+CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4"]
+HYBRID_KEYS = ("tts_suffix_rounds", "tts_suffix_accepted", "tts_drafter_rounds", "tts_drafter_accepted")
+
+
+def _args(drafter, *extra):
+    return ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(drafter), *CHAIN, *extra]
+
+
+def _run(server, prompt):
+    return generate_ids(server.base_url, prompt, NEW_TOKENS, custom_params={"tts_return_accept_lengths": True})
+
+
+@pytest.fixture(scope="module")
+def hybrid_frozen(loopy_llama, loopy_eagle3):
+    env = {"SGLANG_TTS_CHECK_FALLBACK": "1"}  # re-predicts the drafter's rows (the suffix rows are left out)
+    args = _args(loopy_eagle3, "--tts-freeze", "--tts-hybrid", "on", "--enable-metrics")
+    with sglang_server(str(loopy_llama), args, env=env) as server:
+        results = [_run(server, p) for p in PROMPTS]
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+            prom = response.read().decode()
+        return results, prom
+
+
+@pytest.fixture(scope="module")
+def frozen(loopy_llama, loopy_eagle3):
+    with sglang_server(str(loopy_llama), _args(loopy_eagle3, "--tts-freeze")) as server:
+        return [_run(server, p) for p in PROMPTS]
+
+
+def test_hybrid_output_is_the_targets_and_reports_both_proposers(loopy_llama, hybrid_frozen, frozen):
+    results, prom = hybrid_frozen
+    for prompt, out, base in zip(PROMPTS, results, frozen):
+        assert out["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        meta = out["meta_info"]
+        assert all(key in meta for key in HYBRID_KEYS)
+        assert meta["tts_suffix_rounds"] + meta["tts_drafter_rounds"] == meta["spec_verify_ct"]
+        assert meta["tts_suffix_rounds"] > 0 and meta["tts_drafter_rounds"] > 0
+        # On the cycle the suffix chain is accepted whole, the random drafter's about never.
+        suffix_rate = meta["tts_suffix_accepted"] / meta["tts_suffix_rounds"]
+        drafter_rate = meta["tts_drafter_accepted"] / meta["tts_drafter_rounds"]
+        assert suffix_rate > 2.0 > drafter_rate + 1
+        assert meta["tts_fallback_checked"] > 0 and meta["tts_fallback_mismatches"] == 0
+        # Fewer verify rounds for the same tokens than the frozen drafter alone.
+        assert meta["spec_verify_ct"] < 0.6 * base["meta_info"]["spec_verify_ct"]
+        assert "tts_suffix_rounds" not in base["meta_info"]  # only hybrid servers report proposers
+    assert 'sglang_tts:proposer_rounds_total{proposer="suffix"}' in prom
+    assert 'sglang_tts:proposer_accepted_tokens_total{proposer="drafter"}' in prom
+
+
+def test_hybrid_tts_keeps_training_and_stays_lossless(loopy_llama, loopy_eagle3):
+    for train in ("all", "drafter"):
+        args = _args(loopy_eagle3, "--tts-hybrid", "on", "--tts-hybrid-train", train, "--tts-update-stride", "1")
+        with sglang_server(str(loopy_llama), args) as server:
+            out = _run(server, PROMPTS[0])
+        assert out["output_ids"] == hf_greedy(str(loopy_llama), PROMPTS[0], NEW_TOKENS)
+        meta = out["meta_info"]
+        assert meta["tts_suffix_rounds"] > 0
+        assert meta["tts_num_updates"] > 0 and meta["tts_failures"] == 0
+        if train == "drafter":  # only the drafter's rounds make canvases: fewer updates than rounds
+            assert meta["tts_num_updates"] <= meta["tts_drafter_rounds"]
+
+
+def test_sampling_in_a_batch_that_mixes_proposers_keeps_the_targets_distribution(loopy_llama, loopy_eagle3):
+    """Every other request verifies the suffix proposer's chain from its first round (test hook), the
+    others the drafter's, in one batch: t2, out of that first round, must follow the target's P(t1, t2),
+    plain and under top-p / top-k."""
+    args = _args(loopy_eagle3, "--tts-freeze", "--tts-hybrid", "on")
+    with sglang_server(str(loopy_llama), args, env={SPLIT_ENV: "1"}) as server:
+        assert_sampling_keeps_target_distribution(server.base_url, loopy_llama, PROMPTS[1])
+        assert_sampling_keeps_target_distribution(server.base_url, loopy_llama, PROMPTS[1], top_p=0.9, top_k=20)
+        meta = generate_ids(server.base_url, PROMPTS[0], 64, temperature=0.7)["meta_info"]
+    assert meta["completion_tokens"] == 64
+
+
+def test_hybrid_refuses_a_tree_at_launch(loopy_llama, loopy_eagle3):
+    tree = ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
+    args = ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3), *tree]
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", str(loopy_llama), "--device", "cpu"]
+    out = subprocess.run([*cmd, *args, "--tts-hybrid", "on"], capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    assert "--tts-hybrid on needs --speculative-eagle-topk 1 (a chain), got 2" in out.stdout + out.stderr
