@@ -127,6 +127,11 @@ class RequestRecord:
     tts_update_ms: float | None = None
     tts_prompt_positions: int | None = None  # --tts-prompt-adapt: positions its prompt update trained on
     tts_prompt_ms: float | None = None  # ... and that prompt update's run time
+    # --tts-hybrid: rounds each proposer drafted, and its accepted drafted tokens (bonus excluded)
+    tts_suffix_rounds: int | None = None
+    tts_suffix_accepted: int | None = None
+    tts_drafter_rounds: int | None = None
+    tts_drafter_accepted: int | None = None
     e2e_latency_s: float | None = None  # the server's own measurement
     ttft_s: float | None = None  # streamed requests (--stream): request sent -> first token, client-side
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
@@ -386,6 +391,10 @@ def record_from_response(
         tts_update_ms=_opt(meta, "tts_update_ms", float),
         tts_prompt_positions=_opt(meta, "tts_prompt_positions", int),
         tts_prompt_ms=_opt(meta, "tts_prompt_ms", float),
+        tts_suffix_rounds=_opt(meta, "tts_suffix_rounds", int),
+        tts_suffix_accepted=_opt(meta, "tts_suffix_accepted", int),
+        tts_drafter_rounds=_opt(meta, "tts_drafter_rounds", int),
+        tts_drafter_accepted=_opt(meta, "tts_drafter_accepted", int),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
         ttft_s=response.ttft_s,
         output_digest=response.output_digest,

@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 
 class TTSEagleWorker(EAGLEWorkerV2):
+    tts_hybrid = None  # --tts-hybrid: the HybridDrafting (sglang/hybrid.py), set in __init__
+
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
         config = tts_config_from_env()
