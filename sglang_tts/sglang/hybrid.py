@@ -56,8 +56,9 @@ def _tail(req, n: int) -> tuple[list[int], int]:
     """The last `n` tokens of the request's context (prompt, then output) and the context's length."""
     prompt, output = req.origin_input_ids_unpadded, req.output_ids
     tail = list(output[-n:])
-    if len(tail) < n:
-        tail = [*prompt[len(prompt) - (n - len(tail)) :], *tail] if len(prompt) > n - len(tail) else [*prompt, *tail]
+    need = n - len(tail)  # the prompt's last tokens fill a short output's tail
+    if need > 0:
+        tail = [*prompt[max(0, len(prompt) - need) :], *tail]
     return tail, len(prompt) + len(output)
 
 
