@@ -6,8 +6,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
-Scope = Literal["batch", "request", "global"]
-SCOPES = ("batch", "request", "global")
+Scope = Literal["batch", "request", "group", "global"]
+SCOPES = ("batch", "request", "group", "global")
+ADAPTER_SCOPES = ("request", "group")  # the scopes served by per-request / per-group adapters (core/adapters.py)
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
 PromptAdapt = Literal["off", "on", "only"]
 PROMPT_ADAPT_MODES = ("off", "on", "only")
@@ -50,6 +51,8 @@ class TTSConfig:
     #   every request running at the last reset has finished (core/scope.py: generations; batch size 1:
     #   the paper's per-request reset).
     # "request": each request adapts its own low-rank adapter (core/adapters.py), at any batch size.
+    # "group": requests that share a prompt (RL rollouts' n samples, the same prompt sent again, or a
+    #   client's custom_params {"tts_group": ID}) share one adapter, freed when the last of them leaves.
     # "global": one drafter, never reset.
     scope: Scope = "batch"
     # Per-request adapters (scope "request"): rank r and alpha (delta = alpha / r * B A), the

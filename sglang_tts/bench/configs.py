@@ -7,9 +7,10 @@ algorithm with the same drafter: the throughput baseline without the plugin's wo
 with ``--tts-freeze``: the same code path as TTS with no updates, tested equal to stock EAGLE3/DFLASH in
 acceptance, and it reports per-round accept lengths, which stock servers do not), ``tts-s{S}``
 (``--tts-update-stride S``) and ``tts-s{S}-sync`` (``--tts-sync`` too). A TTS name may end in a scope:
-``-batch`` / ``-global`` (``--tts-scope``) or ``-request[-r{R}]`` (per-request adapters, ``--tts-scope request
---tts-adapter-rank R``; ``-rfull``: dense per-request deltas), e.g. ``tts-s5-request-r8``: the per-request
-adaptation comparison (issue 9) runs every scope on one server schedule. Without a suffix the server's
+``-batch`` / ``-global`` (``--tts-scope``) or ``-request[-r{R}]`` / ``-group[-r{R}]`` (per-request or
+per-group adapters, ``--tts-scope request|group --tts-adapter-rank R``; ``-rfull``: dense per-request
+deltas), e.g. ``tts-s5-request-r8``: the per-request adaptation comparison (issue 9) runs every scope on
+one server schedule. Without a suffix the server's
 default scope applies. A name that serves a drafter (all but no-spec and ngram) applies to
 every ``--drafter-kind``; ``KIND:NAME`` (e.g. ``eagle3:tts-s5``) to that kind only. Full names are
 ``no-spec``, ``ngram`` and ``KIND:NAME``.
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.assets import cache_root
+from sglang_tts.config import ADAPTER_SCOPES, SCOPES
 from sglang_tts.drafters.shipped import shipped_drafter
 
 KINDS = ("eagle3", "dflash")
@@ -86,7 +88,6 @@ def eagle3_shape_args(shape: tuple[int, int, int] | None) -> list[str]:
     ]
 
 
-SCOPES = ("batch", "request", "global")
 _TAG = r"[A-Za-z0-9_.-]+"  # a --variant tag, as written after "+" in a configuration name
 _NAME = re.compile(
     r"^(?:(?P<kind>[a-z0-9]+):)?"
@@ -167,8 +168,9 @@ def parse_config_name(text: str) -> ConfigSpec:
         raise ConfigError(
             f"unknown configuration {text!r}: use no-spec, ngram, stock, frozen, tts (the update budget picks the "
             f"stride), tts-s<S> or tts-s<S>-sync, a TTS "
-            f"name optionally ending in a scope (-batch, -global, -request, -request-r<R>), any name but no-spec and "
-            f"ngram optionally prefixed by a drafter kind ({', '.join(KINDS)}), e.g. eagle3:tts-s5-request-r8"
+            f"name optionally ending in a scope (-batch, -global, -request[-r<R>], -group[-r<R>]), any name but "
+            f"no-spec and ngram optionally prefixed by a drafter kind ({', '.join(KINDS)}), "
+            f"e.g. eagle3:tts-s5-request-r8"
         )
     kind = match["kind"]
     if kind is not None and kind not in KINDS:
@@ -185,8 +187,10 @@ def parse_config_name(text: str) -> ConfigSpec:
     if stride is not None and stride < 1:
         raise ConfigError(f"{text!r}: the update stride must be >= 1")
     scope, rank = match["scope"], match["rank"]
-    if rank is not None and scope != "request":
-        raise ConfigError(f"{text!r}: an adapter rank (-r<R>) only goes with the request scope (-request-r<R>)")
+    if rank is not None and scope not in ADAPTER_SCOPES:
+        raise ConfigError(
+            f"{text!r}: an adapter rank (-r<R>) only goes with the request or group scope (-request-r<R>, -group-r<R>)"
+        )
     if rank is not None and rank != "full" and int(rank) < 1:
         raise ConfigError(f"{text!r}: the adapter rank must be >= 1 (or full)")
     if rank is not None and rank != "full":

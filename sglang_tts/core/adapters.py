@@ -78,7 +78,11 @@ def dense_delta(x: torch.Tensor, d: torch.Tensor, slots: torch.Tensor) -> torch.
 
 
 class SlotTable:
-    """request id -> slot, at most `num_slots` at once; requests beyond the cap get none."""
+    """request id -> slot, at most `num_slots` slots at once; requests beyond the cap get none.
+
+    Groups (scope "group"): requests acquired with the same `group` key share one slot, which is
+    freed when the group's last request is released. A request that joins a group holding a slot
+    gets that slot even when no slot is free; the group's first request is capped like any other."""
 
     def __init__(self, num_slots: int) -> None:
         if num_slots < 1:
@@ -88,25 +92,49 @@ class SlotTable:
         self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.num_capped = 0  # requests that found no free slot (served by the base drafter)
         self._capped: set[str] = set()
+        # Groups: every entry belongs to a request in slot_of (bounded by the running requests).
+        self._group_of: dict[str, str] = {}  # request id -> group key
+        self._group_slot: dict[str, int] = {}  # group key -> its slot
+        self._members: dict[str, int] = {}  # group key -> requests holding its slot
 
-    def acquire(self, rid: str) -> int | None:
+    def known(self, rid: str) -> bool:
+        """The request holds a slot or was capped (acquire would not look at its group again)."""
+        return rid in self.slot_of or rid in self._capped
+
+    def acquire(self, rid: str, group: str | None = None) -> int | None:
         if rid in self.slot_of:
             return self.slot_of[rid]
         if rid in self._capped:
             return None
-        if not self._free:
+        if group is not None and group in self._group_slot:
+            slot = self._group_slot[group]
+        elif not self._free:
             self._capped.add(rid)
             self.num_capped += 1
             return None
-        slot = self._free.pop()
+        else:
+            slot = self._free.pop()
+            if group is not None:
+                self._group_slot[group] = slot
         self.slot_of[rid] = slot
+        if group is not None:
+            self._group_of[rid] = group
+            self._members[group] = self._members.get(group, 0) + 1
         return slot
 
     def release(self, rid: str) -> int | None:
+        """Forget `rid`; returns its slot when that slot is now free (its group's last request left)."""
         self._capped.discard(rid)
         slot = self.slot_of.pop(rid, None)
-        if slot is not None:
-            self._free.append(slot)
+        if slot is None:
+            return None
+        group = self._group_of.pop(rid, None)
+        if group is not None:
+            self._members[group] -= 1
+            if self._members[group] > 0:
+                return None  # siblings still adapt it
+            del self._members[group], self._group_slot[group]
+        self._free.append(slot)
         return slot
 
     def retain(self, live: Iterable[str]) -> list[int]:
@@ -119,6 +147,13 @@ class SlotTable:
     def slots(self, rids: Iterable[str]) -> torch.Tensor:
         """[len(rids)] int64 slot per request, NO_SLOT where it has none."""
         return torch.tensor([self.slot_of.get(r, NO_SLOT) for r in rids], dtype=torch.int64)
+
+    def holders(self, slot: int) -> list[str]:
+        """The requests drafting with `slot` (one, or a group's)."""
+        return [rid for rid, s in self.slot_of.items() if s == slot]
+
+    def num_groups(self) -> int:
+        return len(self._group_slot)
 
     def live(self) -> list[str]:
         return list(self.slot_of)

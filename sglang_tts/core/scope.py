@@ -9,9 +9,10 @@ was adapted since the last reset) and the requests running then form the next ge
 batch size 1 that is a reset at the end of each request; under rolling traffic the drafter is
 reset at least once per lifetime of the longest request of a generation, however the requests
 overlap. A request that arrived after a generation began may see one reset while it runs.
-`GlobalScope` never resets. Scope "request" (per-request adapters, core/adapters.py) never resets
-the shared drafter either -- each request's own adapter is freed when the request leaves -- so it
-uses `GlobalScope` for the shared part.
+`GlobalScope` never resets. Scopes "request" and "group" (per-request / per-group adapters,
+core/adapters.py) never reset the shared drafter either -- each request's (group's) own adapter is
+freed when the request (the group's last request) leaves -- so they use `GlobalScope` for the
+shared part.
 """
 
 from __future__ import annotations
@@ -61,6 +62,6 @@ class BatchScope(AdaptationScope):
 def make_scope(name: str) -> AdaptationScope:
     if name == "batch":
         return BatchScope()
-    if name in ("global", "request"):  # "request": the shared weights never change (adapters do)
+    if name in ("global", "request", "group"):  # request / group: the shared weights never change (adapters do)
         return GlobalScope()
-    raise ValueError(f"unknown TTS scope {name!r} (batch | request | global)")
+    raise ValueError(f"unknown TTS scope {name!r} (batch | request | group | global)")

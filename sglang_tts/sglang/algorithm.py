@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from sglang_tts.config import FULL_RANK
+from sglang_tts.config import ADAPTER_SCOPES, FULL_RANK
 from sglang_tts.drafters.common import UnsupportedDrafterConfigError, text_config
 from sglang_tts.drafters.dflash import DFlashConfig
 from sglang_tts.drafters.loading import IncompatibleDrafterError, check_checkpoint, check_compatible, drafter_kind
@@ -150,7 +150,7 @@ def validate_server_args(server_args) -> None:
     if kind == "dflash" and getattr(server_args, "speculative_draft_window_size", None) is not None:
         raise TTSLaunchError("TTS with a DFlash drafter does not support --speculative-draft-window-size")
     if (
-        config.scope == "request"
+        config.scope in ADAPTER_SCOPES
         and config.adapter_rank == FULL_RANK
         and getattr(server_args, "device", "cpu") == "cuda"
         and not getattr(server_args, "disable_cuda_graph", False)

@@ -20,6 +20,20 @@ def target_embedding(target_worker) -> torch.Tensor:
 def bind_draft_publisher(drafter, draft_model) -> WeightPublisher:
     """Bind SGLang's draft-model parameters (fused qkv / gate_up, `model.` prefix) to ours."""
     trained = dict(drafter.trainable_named_parameters())
+    publisher, unbound = _bind(trained, draft_model)
+    if unbound:
+        raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
+    return publisher
+
+
+def bind_draft_reader(drafter, draft_model) -> tuple[WeightPublisher, list[str]]:
+    """The same binding over every parameter of a differentiable drafter (frozen ones too), read
+    backwards (`WeightPublisher.read`) when SGLang loaded new drafter weights itself
+    (sglang/weight_sync.py); and the parameters SGLang's draft model has no home for."""
+    return _bind(dict(drafter.named_parameters()), draft_model)
+
+
+def _bind(trained: dict[str, torch.Tensor], draft_model) -> tuple[WeightPublisher, list[str]]:
     serving = {}
     for name, param in draft_model.named_parameters():
         name = name.removeprefix("model.")
@@ -29,10 +43,9 @@ def bind_draft_publisher(drafter, draft_model) -> WeightPublisher:
             tensor = tensor[: trained[name].shape[0]]
         serving[name] = tensor
     name_map = stacked_name_map(serving, trained)
-    unbound = sorted(set(trained) - {s for srcs in name_map.values() for s in srcs})
-    if unbound:
-        raise RuntimeError(f"TTS cannot publish trained drafter weights {unbound}: no SGLang parameter matches")
-    return WeightPublisher.from_name_map(serving, trained, name_map)
+    bound = {s for srcs in name_map.values() for s in srcs}
+    unbound = sorted(set(trained) - bound)
+    return WeightPublisher.from_name_map(serving, {n: t for n, t in trained.items() if n in bound}, name_map), unbound
 
 
 def draft_kv_reader(req_to_token, pool, draft_layers, pool_indices: list[int], ends: list[int]):
@@ -53,16 +66,16 @@ def draft_kv_reader(req_to_token, pool, draft_layers, pool_indices: list[int], e
 
 def make_runtime(drafter, config, draft_model, device, pool_size: Callable[[], int]):
     """The TTSRuntime of a worker: full-parameter updates published into SGLang's draft model
-    (scopes batch / global), or per-request adapters hooked into it (scope request).
+    (scopes batch / global), or per-request adapters hooked into it (scopes request / group).
     pool_size: rows of SGLang's req_to_token pool (every req_pool_idx a request can hold), asked
     when the first batch is mapped (SGLang creates the pool after the workers)."""
     from dataclasses import replace
 
-    from sglang_tts.config import FULL_RANK
+    from sglang_tts.config import ADAPTER_SCOPES, FULL_RANK
     from sglang_tts.sglang.adapters import ServingAdapters, adapters_from_config
     from sglang_tts.sglang.runtime import TTSRuntime
 
-    if config.scope != "request":
+    if config.scope not in ADAPTER_SCOPES:
         return TTSRuntime(drafter, config, bind_draft_publisher(drafter, draft_model), device)
     adapted = adapters_from_config(drafter, config).to(device)
     serving = ServingAdapters(draft_model, adapted, device, pool_size)

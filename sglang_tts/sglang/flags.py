@@ -16,7 +16,7 @@ import multiprocessing
 import os
 from typing import Any
 
-from sglang_tts.config import FULL_RANK, TTSConfig, TTSConfigError
+from sglang_tts.config import FULL_RANK, SCOPES, TTSConfig, TTSConfigError
 
 ENV_VAR = "SGLANG_TTS_CONFIG"
 
@@ -99,8 +99,9 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-scope": (
         "scope",
         {
-            "choices": ["batch", "request", "global"],
-            "help": "Shared drafter reset per batch, per-request adapters, or never.",
+            "choices": list(SCOPES),
+            "help": "Shared drafter reset per batch, per-request adapters, adapters shared by requests of one "
+            "prompt (group), or never reset (global).",
         },
     ),
     "--tts-adapter-rank": (

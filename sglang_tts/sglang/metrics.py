@@ -254,6 +254,11 @@ class SchedulerMetrics:
         self.adapted_requests = Gauge(
             "sglang_tts:adapted_requests", "Requests holding a per-request adapter", multiprocess_mode="mostrecent"
         )
+        self.adapter_groups = Gauge(
+            "sglang_tts:adapter_groups",
+            "Groups holding a shared adapter (--tts-scope group; their requests count in adapted_requests)",
+            multiprocess_mode="mostrecent",
+        )
         self.failed_publishes = Counter(
             "sglang_tts:failed_publishes_total", "Publishes that failed part-way (the old weights were written back)"
         )

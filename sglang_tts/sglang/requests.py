@@ -14,7 +14,9 @@ refuses empty `input_ids` but not a text that tokenizes to nothing (`"text": ""`
 
 from __future__ import annotations
 
+import hashlib
 import logging
+from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 ACCEPT_LENGTHS_KEY = "tts_return_accept_lengths"
 WEIGHT_DIGEST_KEY = "tts_return_weight_digest"
+GROUP_KEY = "tts_group"  # --tts-scope group: requests with the same id share one adapter
+MAX_GROUP_ID = 256  # characters of a client's group id that count
 DIGEST_NOT_ALLOWED = f"{WEIGHT_DIGEST_KEY} needs a server launched with --tts-allow-weight-digest"
 _ATTR = "_sglang_tts_options"
 
@@ -38,6 +42,9 @@ class RequestOptions:
     # sha256 of the serving drafter at the first and last round: hashes the whole drafter whenever
     # its weights change, so only a server launched with --tts-allow-weight-digest honours it
     weight_digest: bool = False
+    # a client-given group (a string or an integer): with --tts-scope group, requests that give the
+    # same one share an adapter; without it, requests of the same prompt do (group_key)
+    group: str | None = None
 
 
 _KEYS = {ACCEPT_LENGTHS_KEY: "accept_lengths", WEIGHT_DIGEST_KEY: "weight_digest"}
@@ -49,11 +56,17 @@ def parse_custom_params(custom: Any, allow_weight_digest: bool) -> tuple[Request
         return RequestOptions(), []
     if not isinstance(custom, dict):
         return RequestOptions(), [f"custom_params is a {type(custom).__name__}, not an object"]
-    values: dict[str, bool] = {}
+    values: dict[str, Any] = {}
     problems: list[str] = []
     for key, value in custom.items():
         if not (isinstance(key, str) and key.startswith("tts_")):
             continue  # another consumer's key (e.g. a custom logit processor)
+        if key == GROUP_KEY:
+            if isinstance(value, (str, int)) and not isinstance(value, bool) and str(value):
+                values["group"] = str(value)[:MAX_GROUP_ID]
+            else:
+                problems.append(f"{GROUP_KEY} must be a non-empty string or an integer, got {value!r}")
+            continue
         field = _KEYS.get(key)
         if field is None:
             problems.append(f"unknown option {key!r}")
@@ -83,6 +96,17 @@ def request_options(req: Req, allow_weight_digest: bool = False) -> RequestOptio
     except AttributeError:  # an object that takes no attributes: parse again next time, warn again
         pass
     return options
+
+
+def group_key(req: Req, allow_weight_digest: bool = False) -> str:
+    """The adapter group of a request (--tts-scope group): the client's `tts_group` if it gave one,
+    else its prompt (a digest of the prompt's token ids: the n samples of one prompt, or the same
+    prompt sent again). Computed once per request, when it first asks for an adapter slot."""
+    group = request_options(req, allow_weight_digest).group
+    if group is not None:
+        return "id:" + group
+    ids = getattr(req, "origin_input_ids", None) or []
+    return "prompt:" + hashlib.blake2b(array("q", ids).tobytes(), digest_size=16).hexdigest()
 
 
 def _has_session(obj: GenerateReqInput) -> bool:

@@ -31,7 +31,7 @@ from sglang_tts.core.publish import WeightPublisher
 from sglang_tts.core.scope import make_scope
 from sglang_tts.sglang import metrics as tts_metrics
 from sglang_tts.sglang.failures import FailureLog, fault_sites_from_env
-from sglang_tts.sglang.requests import request_options
+from sglang_tts.sglang.requests import group_key, request_options
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ class TTSRuntime:
         self.metrics = None
         # --tts-scope request: `drafter` is an AdaptedDrafter, `serving_adapters` its published bank
         # inside SGLang's draft model (sglang/adapters.py); each request holds a slot while it runs.
+        # --tts-scope group: the requests of one group (requests.group_key) hold the same slot.
         self.serving_adapters = serving_adapters
         self.slots = SlotTable(config.max_adapted_requests) if serving_adapters is not None else None
         self._digest: tuple[int, str] | None = None  # (weight version, digest) of the shared weights
@@ -310,14 +311,20 @@ class TTSRuntime:
         if self.slots is None:
             return
         capped_before = self.slots.num_capped
+        grouped = self.config.scope == "group"
         for req in reqs:
-            if self.slots.acquire(req.rid) is None:
+            if self.slots.known(req.rid):
+                continue
+            group = group_key(req, self.config.allow_weight_digest) if grouped else None
+            if self.slots.acquire(req.rid, group) is None:
                 self.counters(req.rid).adapter_capped = 1
         if self.metrics is not None and self.slots.num_capped > capped_before:
             self.metrics.adapter_capped.inc(self.slots.num_capped - capped_before)
         self.serving_adapters.set_batch(reqs, self.slots)
         if self.metrics is not None:
             self.metrics.adapted_requests.set(len(self.slots.slot_of))
+            if grouped:
+                self.metrics.adapter_groups.set(self.slots.num_groups())
 
     def observe(self, canvas: Canvas | None, check_canvas: Canvas | None = None, *, owned: bool = False) -> None:
         """After verify: hand the canvas to the update schedule (and, in check mode, re-predict
@@ -542,9 +549,11 @@ class TTSRuntime:
 
     def _credit_guard_resets(self, units: list[int], count: int) -> None:
         """The guard reset `units`: count it for the requests that drafted with them."""
-        holders = {slot: rid for rid, slot in self.slots.slot_of.items()} if self.slots is not None else {}
         for unit in units:
-            rids = list(self.requests) if unit == SCOPE_UNIT else [holders[unit]] if unit in holders else []
+            if unit == SCOPE_UNIT:
+                rids = list(self.requests)
+            else:  # an adapter slot: its request, or every request of its group
+                rids = self.slots.holders(unit) if self.slots is not None else []
             for rid in rids:
                 self.counters(rid).guard_resets += 1
         if self.metrics is not None:

@@ -210,6 +210,33 @@ def test_slot_table_forgets_every_request_that_left_capped_ones_included():
     assert table.num_capped > 300 and sorted(set(freed)) == [0, 1]
 
 
+def test_a_group_shares_one_slot_freed_when_its_last_request_leaves():
+    table = SlotTable(1)
+    assert table.acquire("a1", "g") == 0
+    assert table.acquire("a2", "g") == 0  # joins the group's slot: no free slot needed
+    assert table.acquire("b", "h") is None and table.num_capped == 1  # another group: capped
+    assert table.num_groups() == 1 and sorted(table.holders(0)) == ["a1", "a2"]
+    assert table.release("a1") is None  # a2 still adapts the slot: it is not reset
+    assert table.acquire("a3", "g") == 0  # a late sibling joins the adapted slot
+    assert table.retain(["b"]) == [0]  # the group's last request left: the slot is free again
+    assert table.num_groups() == 0 and table.acquire("c", "h") == 0
+    assert table.known("c") and table.known("b") and not table.known("a2")
+
+
+def test_group_state_stays_bounded_by_the_running_requests():
+    table = SlotTable(2)
+    for i in range(1000):  # rolling siblings of ever new prompts, three groups live, two slots
+        batch = [f"p{j}-{k}" for j in range(i, i + 3) for k in range(2)]
+        table.retain(batch)
+        for rid in batch:
+            table.acquire(rid, rid.split("-")[0])
+        assert len(table.slot_of) <= 4 and table.num_groups() <= 2
+        assert len(table._group_of) == len(table.slot_of) and sum(table._members.values()) == len(table.slot_of)
+    table.retain([])
+    assert not (table.slot_of or table._group_of or table._group_slot or table._members or table._capped)
+    assert sorted(table._free) == [0, 1]
+
+
 def test_the_serving_bank_applies_exactly_what_the_training_copy_learnt(generator, spec):
     """Per-token gathered deltas on the published stacks == the training path's per-row deltas."""
     drafter = _adapted(spec, num_slots=3)

@@ -10,6 +10,7 @@ import pytest
 from sglang_tts.sglang.requests import (
     DIGEST_NOT_ALLOWED,
     RequestOptions,
+    group_key,
     parse_custom_params,
     reject_empty_prompt_hook,
     request_options,
@@ -36,12 +37,29 @@ def test_known_options_are_read_and_other_consumers_keys_left_alone():
         ({"tts_return_accept_lengths": "yes"}, "must be true or false, got 'yes'"),
         ({"tts_return_accept_lengths": 1}, "must be true or false, got 1"),
         ({"tts_typo": True}, "unknown option 'tts_typo'"),
+        ({"tts_group": ""}, "tts_group must be a non-empty string or an integer"),
+        ({"tts_group": [1]}, "tts_group must be a non-empty string or an integer"),
+        ({"tts_group": True}, "tts_group must be a non-empty string or an integer"),
     ],
 )
 def test_what_tts_does_not_understand_is_ignored_and_named(custom, problem):
     options, problems = parse_custom_params(custom, allow_weight_digest=True)
     assert options == RequestOptions()
     assert len(problems) == 1 and problem in problems[0]
+
+
+def test_the_group_is_the_clients_id_or_else_the_prompt():
+    assert parse_custom_params({"tts_group": 7}, allow_weight_digest=False) == (RequestOptions(group="7"), [])
+
+    def req(ids, custom=None, rid="r"):
+        return SimpleNamespace(rid=rid, origin_input_ids=ids, sampling_params=SimpleNamespace(custom_params=custom))
+
+    siblings = [group_key(req([4, 5, 6], rid=f"s{i}")) for i in range(3)]
+    assert len(set(siblings)) == 1
+    assert group_key(req([4, 5, 7])) != siblings[0]
+    assert group_key(req([4, 5, 6, 0])) != siblings[0]
+    given = group_key(req([1, 2], {"tts_group": "step3/q12"}))
+    assert given == group_key(req([9], {"tts_group": "step3/q12"})) != group_key(req([1, 2]))
 
 
 def test_the_weight_digest_needs_the_server_flag():

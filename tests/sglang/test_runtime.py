@@ -220,6 +220,7 @@ def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
     beside rounds of 40 ms fit a 10% budget only at S >= 7 (30 / (30 + 40 S) <= 0.1)."""
     clock = _Clock()
     monkeypatch.setattr("sglang_tts.sglang.runtime.time", clock)
+    monkeypatch.setattr("sglang_tts.core.executor.time", clock)  # the update's own run time too (not the machine's)
     runtime, registry = _runtime(monkeypatch, update_budget=0.1, update_stride=1, stride_pinned=False, guard=False)
     _slow_updates(runtime, clock, 0.030)
     generator = torch.Generator().manual_seed(0)
@@ -237,6 +238,7 @@ def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
 def test_a_pinned_stride_stays_and_the_share_is_still_reported(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr("sglang_tts.sglang.runtime.time", clock)
+    monkeypatch.setattr("sglang_tts.core.executor.time", clock)  # the update's own run time too (not the machine's)
     runtime, registry = _runtime(monkeypatch, update_budget=0.1, update_stride=3, stride_pinned=True, guard=False)
     _slow_updates(runtime, clock, 0.030)
     generator = torch.Generator().manual_seed(0)
