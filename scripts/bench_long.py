@@ -15,13 +15,23 @@ Examples::
         --configs no-spec stock frozen tts-s1 tts-s5 tts-s5-sync --drafter-kind eagle3 dflash
     python scripts/bench_long.py --base-url http://127.0.0.1:30000 --configs eagle3:tts-s5
     python scripts/bench_long.py --from-json results/RUN/results.json --bucket 128   # re-aggregate
+    python scripts/bench_long.py --resume --run RUN        # continue an interrupted run (its saved plan)
+
+Every finished request (or wave) is appended to results/<run>/requests.jsonl at once, and results.json is
+rewritten after it: a stop (Ctrl-C, SIGTERM, kill -9, a reboot) loses only the requests in flight, and
+--resume sends only the missing ones. The environment variable SGLANG_TTS_BENCH_TERM_AFTER=K (a test
+hook) makes the process send itself SIGTERM after K finished requests or waves.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 # Runnable from a checkout without `pip install -e .`.
@@ -43,13 +53,37 @@ from sglang_tts.bench.configs import (  # noqa: E402
     resolve_reference,
     split_server_args,
 )
-from sglang_tts.bench.runner import RunnerSettings, SamplingSettings, get_json  # noqa: E402
-from sglang_tts.bench.server import kv_pool_tokens  # noqa: E402
-from sglang_tts.bench.suite import BenchPlan, rerender, run_suite, summary_lines  # noqa: E402
+from sglang_tts.bench.runner import (  # noqa: E402
+    RequestRecord,
+    RunnerSettings,
+    SamplingSettings,
+    Unit,
+    get_json,
+    split_rounds,
+    waves,
+)
+from sglang_tts.bench.server import (  # noqa: E402
+    context_length_arg,
+    context_shortfall,
+    model_context_length,
+    waves_kv_tokens,
+)
+from sglang_tts.bench.suite import (  # noqa: E402
+    REQUESTS,
+    BenchPlan,
+    load_saved_plan,
+    rerender,
+    run_suite,
+    summary_lines,
+)
 from sglang_tts.bench.workload import chat_prompts, prompt_token_counts, sample_prompts  # noqa: E402
 
 DEFAULT_DATASETS = ("aime2024", "math500")
 DEFAULT_TEMPERATURES = (0.0, 0.7)
+# Flags a resumed run may change (where the run lives, how this session waits and shows progress, how the
+# report aggregates); every other flag is part of the plan saved in plan.json.
+SESSION_FLAGS = ("resume", "run", "out", "quiet", "request_timeout", "server_timeout", "bucket", "reference")
+TERM_AFTER_ENV = "SGLANG_TTS_BENCH_TERM_AFTER"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
     run.add_argument("--out", type=Path, default=Path("results"), help="parent folder of the run folder")
     run.add_argument("--run", help="run folder name (default: a timestamp)")
+    run.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the interrupted run --run NAME: keep its finished requests, send only the missing ones. "
+        "Its plan is read from the run folder: give no other plan flags, or exactly the same ones "
+        f"(may change: {', '.join('--' + f.replace('_', '-') for f in SESSION_FLAGS[1:])})",
+    )
     run.add_argument("--smoke-dir", type=Path, help="where --smoke writes its tiny models (default: the cache)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
     return parser
@@ -182,6 +223,25 @@ def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig
         spec.sync,
         scope=spec.scope,
     )
+
+
+def check_context(configs: list[BenchConfig], model: str, longest_prompt: int, max_new_tokens: int) -> None:
+    """Refuse a plan whose longest prompt and answer exceed a server's context (the model's, or the
+    configuration's --context-length): SGLang would answer each such request with HTTP 400."""
+    model_context: list[int | None] = []  # read once, when a configuration does not set its own
+    for config in configs:
+        context = context_length_arg(config.server_args)
+        if context is None:
+            model_context = model_context or [model_context_length(model)]
+            context = model_context[0]
+        problem = None if context is None else context_shortfall(context, longest_prompt, max_new_tokens)
+        if problem:
+            raise ConfigError(
+                f"{config.name}: {problem}, and SGLang refuses longer requests. Lower --max-new-tokens, use a "
+                "model with a longer context (Qwen2.5-Coder-0.5B-Instruct: 32768), or give "
+                "--server-arg=--context-length=N (beyond the model's own, SGLang also wants "
+                "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the environment)"
+            )
 
 
 def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
@@ -272,13 +332,22 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "smoke": args.smoke,
         }
     )
+    rounds = args.rounds or (1 if args.smoke else min(3, len(prompts)))
     kv_tokens = None
-    if not args.base_url and _cpu_defaults(args.device):
-        # Enough KV cache for the largest wave: otherwise SGLang queues part of it (CPU_DEFAULT_ARGS' pool
-        # holds one long request); a --server-arg=--max-total-tokens=N still wins.
-        lengths = prompt_token_counts(prompts, model)
-        kv_tokens = kv_pool_tokens(lengths, sampling.max_new_tokens, max(concurrencies))
-        settings["kv_pool_tokens"] = kv_tokens
+    if not args.base_url:
+        lengths = dict(zip([p.id for p in prompts], prompt_token_counts(prompts, model)))
+        check_context(configs, model, max(lengths.values(), default=0), sampling.max_new_tokens)
+        if _cpu_defaults(args.device):
+            # Enough KV cache for the largest wave, whole answers included: otherwise SGLang queues part of it
+            # (CPU_DEFAULT_ARGS' pool holds one long request); a --server-arg=--max-total-tokens=N still wins.
+            wave_lengths = [
+                [lengths[p.id] for p in wave]
+                for chunk in split_rounds(prompts, rounds)
+                for c in concurrencies
+                for wave in waves(chunk, c)
+            ]
+            kv_tokens = waves_kv_tokens(wave_lengths, sampling.max_new_tokens)
+            settings["kv_pool_tokens"] = kv_tokens
     warmup = args.warmup_tokens if args.warmup_tokens is not None else (smoke.WARMUP_TOKENS if args.smoke else 32)
     runner = RunnerSettings(
         model=model,
@@ -295,19 +364,84 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         base_url=args.base_url.rstrip("/") if args.base_url else None,
         served_model=(server_info or {}).get("served_model_name"),
     )
-    default_rounds = 1 if args.smoke else min(3, len(prompts))
     return BenchPlan(
         run_dir=args.out / run_name,
         argv=argv,
         configs=configs,
         prompts=prompts,
         runner=runner,
-        rounds=args.rounds or default_rounds,
+        rounds=rounds,
         bucket=args.bucket or (smoke.BUCKET if args.smoke else 256),
         settings=settings,
         server_info=server_info,
         progress=not args.quiet,
     )
+
+
+def _given_flags(argv_tail: list[str]) -> set[str]:
+    """The destinations of the flags a command line gives explicitly (defaults left out)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv_tail)))
+
+
+def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
+    """--resume: the saved command's flags, with this command's session flags (SESSION_FLAGS), when it gives
+    no plan flags; else this command line as it is (run_suite then checks it asks for the saved plan)."""
+    if not args.run:
+        parser.error("--resume needs --run NAME: the run folder (under --out) to continue")
+    saved = load_saved_plan(args.out / args.run)
+    given = _given_flags(argv[1:])
+    if given - set(SESSION_FLAGS):
+        return args
+    merged = parser.parse_args(saved["argv"][1:])
+    for dest in given | {"run", "out", "resume"}:
+        setattr(merged, dest, getattr(args, dest))
+    return merged
+
+
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _term_after_hook() -> Callable[[Unit, list[RequestRecord]], None] | None:
+    """SGLANG_TTS_BENCH_TERM_AFTER=K: SIGTERM this process after K units were saved (a kill, for the tests)."""
+    limit = int(os.environ.get(TERM_AFTER_ENV) or 0)
+    if limit <= 0:
+        return None
+    count = 0
+
+    def hook(unit: Unit, records: list[RequestRecord]) -> None:
+        nonlocal count
+        count += 1
+        if count >= limit:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return hook
+
+
+def _run(plan: BenchPlan, args: argparse.Namespace) -> int:
+    """Run (or resume) the plan and print the report; on Ctrl-C or SIGTERM, say how to continue (130)."""
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so the runner stops its server
+    try:
+        result = run_suite(plan, resume=args.resume, on_record=_term_after_hook())
+    except KeyboardInterrupt:
+        again = ["python", "scripts/bench_long.py", "--resume", "--run", plan.run_dir.name]
+        if args.out != Path("results"):
+            again += ["--out", str(args.out)]
+        print(
+            f"[bench] stopped; every finished request is in {plan.run_dir / REQUESTS}. Continue with: "
+            + shlex.join(again),
+            file=sys.stderr,
+        )
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    print(result.report.read_text())
+    for line in summary_lines(result):
+        print(line)
+    return 1 if result.failures else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -316,26 +450,26 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[1:])
     if args.stream and args.api != "generate":
         parser.error("--stream needs --api generate (the OpenAI path does not return meta_info when streaming)")
-    if args.from_json:
-        try:
+    if args.resume and args.from_json:
+        parser.error("--resume continues a run; --from-json only re-aggregates one")
+    try:
+        if args.from_json:
             result = rerender(args.from_json, args.bucket, args.reference)
-        except ConfigError as error:
-            parser.error(str(error))
-    else:
-        try:
-            plan = plan_from_args(args, argv)
-        except ConfigError as error:
-            parser.error(str(error))
+            print(result.report.read_text())
+            for line in summary_lines(result):
+                print(line)
+            return 1 if result.failures else 0
+        if args.resume:
+            args = resumed_args(parser, args, argv)
+        plan = plan_from_args(args, argv)
         n_configs, n_prompts = len(plan.configs), len(plan.prompts)
         print(
             f"[bench] {n_configs} configurations x {n_prompts} prompts in {plan.rounds} round(s) -> {plan.run_dir}",
             file=sys.stderr,
         )
-        result = run_suite(plan)
-    print(result.report.read_text())
-    for line in summary_lines(result):
-        print(line)
-    return 1 if result.failures else 0
+        return _run(plan, args)
+    except ConfigError as error:
+        parser.error(str(error))
 
 
 if __name__ == "__main__":

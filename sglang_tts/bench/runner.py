@@ -27,6 +27,13 @@ prompt's prefix cache goes too: one prefill).
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
 SGLang's native ``/generate`` instead.
+
+Units. What is sent, recorded and resumed as a whole is a :class:`Unit`: one request at concurrency 1, a
+whole wave at c > 1 (its wall time needs every request of it). ``Runner.run`` calls ``on_record`` after
+each finished unit (the suite appends it to ``requests.jsonl``) and skips the units it is given as
+``done`` (a resumed run): a slot with nothing left starts no server. The progress bar counts tokens
+(``max_new_tokens`` per request, whether the request used them all or stopped early), so its estimate of
+the time left holds when a request takes minutes.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
@@ -170,7 +177,8 @@ class Slot:
 
 @dataclass
 class SlotLog:
-    """What happened in a slot: server start time (None when reused or external) and any error."""
+    """What happened in a slot: server start time (None when reused or external) and any error.
+    ``done_before``: its units an earlier session of a resumed run had finished (not sent again)."""
 
     round: int
     config: str
@@ -179,6 +187,47 @@ class SlotLog:
     warmup_s: float | None = None
     error: str | None = None
     skipped: bool = False
+    done_before: int = 0
+
+
+@dataclass(frozen=True)
+class Unit:
+    """What is sent, recorded and resumed as a whole: one request (concurrency 1) or one wave of
+    ``concurrency`` requests sent together (its wall time needs all of them)."""
+
+    config: str
+    round: int
+    sampling: str  # the records' mode label: greedy, t0.7, greedy-c4
+    concurrency: int
+    index: int  # the request's prompt position in its slot (concurrency 1), or the wave's position
+    prompt_ids: tuple[str, ...]
+
+    @property
+    def requests(self) -> int:
+        return len(self.prompt_ids)
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "prompt_ids": list(self.prompt_ids)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Unit:
+        return cls(
+            str(data["config"]),
+            int(data["round"]),
+            str(data["sampling"]),
+            int(data["concurrency"]),
+            int(data["index"]),
+            tuple(str(p) for p in data["prompt_ids"]),
+        )
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """A unit with what to send: its prompts (one, or the wave's) and their sampling settings."""
+
+    unit: Unit
+    prompts: tuple[BenchPrompt, ...]
+    sampling: SamplingSettings
 
 
 def split_rounds(items: Sequence[Any], rounds: int) -> list[list[Any]]:
@@ -431,13 +480,24 @@ class RunnerSettings:
     served_model: str | None = None  # the OpenAI "model" field (default: the model path)
 
 
+OnRecord = Callable[[Unit, list[RequestRecord]], None]
+
+
+class _CallbackError(Exception):
+    """An ``on_record`` callback failed (its records could not be saved): the run stops, no slot is blamed."""
+
+
 class Runner:
-    """Executes a schedule slot by slot; ``on_slot`` is called after each slot (e.g. to save progress)."""
+    """Executes a schedule slot by slot. ``on_record`` is called after each finished unit (a request, or a wave
+    at concurrency > 1) with its records, ``on_slot`` after each slot (e.g. to save progress); units given as
+    ``done`` (an earlier session's) are not sent again, and a slot with nothing left starts no server."""
 
     def __init__(self, settings: RunnerSettings) -> None:
         self.settings = settings
-        self.records: list[RequestRecord] = []
+        self.records: list[RequestRecord] = []  # every finished unit's records, in schedule order
         self.slot_logs: list[SlotLog] = []
+        self.finished: dict[Unit, list[RequestRecord]] = {}  # done before this session, or in it
+        self._order: list[Unit] = []
         self._server: Any = None  # sglang_tts.bench.server.ServerProcess
         self._server_config: str | None = None
 
@@ -481,30 +541,73 @@ class Runner:
             env=self.settings.server_env,
             log_dir=self.settings.log_dir,
             kv_tokens=self.settings.kv_tokens,
+            die_with_parent=True,  # a benchmark killed outright (kill -9) leaves no server computing on
         )
         self._server_config = config.name
         log.server_start_s = time.perf_counter() - start
         return self._server.base_url
+
+    def units(self, slot: Slot) -> list[UnitPlan]:
+        """The slot's units in the order they run: per concurrency, at 1 each prompt at every temperature;
+        at c > 1, per temperature, the waves of c prompts (:func:`waves`)."""
+        s = self.settings
+        samplings = [replace(s.sampling, temperature=t) for t in s.temperatures]
+        name = slot.config.name
+        out: list[UnitPlan] = []
+        for concurrency in s.concurrencies:
+            if concurrency == 1:
+                for i, prompt in enumerate(slot.prompts):
+                    for sampling in samplings:
+                        unit = Unit(name, slot.round, sampling.label, 1, i, (prompt.id,))
+                        out.append(UnitPlan(unit, (prompt,), sampling))
+                continue
+            for sampling in samplings:
+                label = mode_label(sampling.temperature, concurrency)
+                for j, wave in enumerate(waves(slot.prompts, concurrency)):
+                    unit = Unit(name, slot.round, label, concurrency, j, tuple(p.id for p in wave))
+                    out.append(UnitPlan(unit, tuple(wave), sampling))
+        return out
 
     def run(
         self,
         schedule: Sequence[Slot],
         on_slot: Callable[[Runner], None] | None = None,
         progress: bool = True,
+        on_record: OnRecord | None = None,
+        done: Mapping[Unit, Sequence[RequestRecord]] | None = None,
     ) -> list[RequestRecord]:
+        plans = [self.units(slot) for slot in schedule]
+        self._order = [p.unit for units in plans for p in units]
+        wanted = set(self._order)
+        self.finished = {unit: list(records) for unit, records in (done or {}).items() if unit in wanted}
+        self._collect()
+        tokens = self.settings.sampling.max_new_tokens  # what the bar counts per request
+        bar = tqdm(
+            total=sum(u.requests for u in self._order) * tokens,
+            initial=sum(u.requests for u in self.finished) * tokens,
+            desc="tokens",
+            unit="tok",
+            unit_scale=True,
+            disable=not progress,
+            dynamic_ncols=True,
+        )
+        with_work = [i for i, units in enumerate(plans) if any(p.unit not in self.finished for p in units)]
         failed: dict[str, str] = {}
-        total = sum(self._requests_per_slot(slot) for slot in schedule)
-        bar = tqdm(total=total, desc="requests", unit="req", disable=not progress, dynamic_ncols=True)
         try:
-            for i, slot in enumerate(schedule):
+            for n, i in enumerate(with_work):
+                slot = schedule[i]
+                remaining = [p for p in plans[i] if p.unit not in self.finished]
                 log = SlotLog(slot.round, slot.config.name, [p.id for p in slot.prompts])
+                log.done_before = len(plans[i]) - len(remaining)
                 self.slot_logs.append(log)
                 if slot.config.name in failed:
                     log.skipped, log.error = True, f"skipped: {failed[slot.config.name]}"
-                    bar.update(self._requests_per_slot(slot))
+                    bar.update(sum(p.unit.requests for p in remaining) * tokens)
                     continue
                 try:
-                    self._run_slot(slot, log, bar)
+                    self._run_slot(slot, remaining, log, bar, on_record)
+                except _CallbackError as error:
+                    raise error.__cause__ from None  # type: ignore[misc]
                 except Exception as error:  # noqa: BLE001 - recorded; the other configurations still run
                     log.error = f"{type(error).__name__}: {error}"
                     failed[slot.config.name] = log.error.splitlines()[0]
@@ -512,8 +615,9 @@ class Runner:
                         log.error += "\nserver log tail:\n" + self._server.log_tail(40)
                     tqdm.write(f"[bench] {slot.config.name} failed in round {slot.round}: {log.error}")
                     self._stop()
-                # Stop now unless the next slot runs the same configuration (one server at a time).
-                following = schedule[i + 1].config.name if i + 1 < len(schedule) else None
+                    bar.update(sum(p.unit.requests for p in remaining if p.unit not in self.finished) * tokens)
+                # Stop now unless the next slot with work runs the same configuration (one server at a time).
+                following = schedule[with_work[n + 1]].config.name if n + 1 < len(with_work) else None
                 if following != self._server_config:
                     self._stop()
                 if on_slot is not None:
@@ -523,7 +627,12 @@ class Runner:
             bar.close()
         return self.records
 
-    def _run_slot(self, slot: Slot, log: SlotLog, bar: tqdm) -> None:
+    def _collect(self) -> None:
+        self.records = [r for unit in self._order for r in self.finished.get(unit, ())]
+
+    def _run_slot(
+        self, slot: Slot, units: Sequence[UnitPlan], log: SlotLog, bar: tqdm, on_record: OnRecord | None
+    ) -> None:
         config = slot.config
         bar.set_postfix_str(f"round {slot.round} {config.name}: starting server")
         base_url = self._ensure_server(config, log)
@@ -533,32 +642,34 @@ class Runner:
             start = time.perf_counter()
             self._send(base_url, slot.prompts[0], config.speculative, self.settings.warmup_tokens)
             log.warmup_s = time.perf_counter() - start
-        samplings = [replace(self.settings.sampling, temperature=t) for t in self.settings.temperatures]
         # NGRAM's corpus (and the hybrid's suffix trie) is server-wide: each request (or wave) starts from an
         # empty one (module docstring).
         own_text_only = shares_a_corpus(config)
-        for concurrency in self.settings.concurrencies:
-            if concurrency == 1:
-                for prompt in slot.prompts:
-                    for sampling in samplings:
-                        bar.set_postfix_str(f"round {slot.round} {config.name} {prompt.id} {sampling.label}")
-                        if own_text_only:
-                            flush_cache(base_url)
-                        start = time.perf_counter()
-                        response = self._send(base_url, prompt, config.speculative, sampling=sampling)
-                        wall = time.perf_counter() - start
-                        record = record_from_response(config.name, prompt, slot.round, response, wall, sampling.label)
-                        self.records.append(record)
-                        bar.update(1)
-                continue
-            for sampling in samplings:
-                label = mode_label(sampling.temperature, concurrency)
-                for wave in waves(slot.prompts, concurrency):
-                    bar.set_postfix_str(f"round {slot.round} {config.name} {label} x{len(wave)}")
-                    if own_text_only:
-                        flush_cache(base_url)
-                    self.records += self._send_wave(base_url, config, slot.round, wave, sampling, label)
-                    bar.update(len(wave))
+        for plan in units:
+            unit = plan.unit
+            if unit.concurrency == 1:
+                what = f"{plan.prompts[0].id} {unit.sampling}"
+            else:
+                what = f"{unit.sampling} wave {unit.index + 1} ({', '.join(dict.fromkeys(unit.prompt_ids))})"
+            bar.set_postfix_str(f"round {slot.round} {config.name} {what}")
+            if own_text_only:
+                flush_cache(base_url)
+            if unit.concurrency == 1:
+                prompt = plan.prompts[0]
+                start = time.perf_counter()
+                response = self._send(base_url, prompt, config.speculative, sampling=plan.sampling)
+                wall = time.perf_counter() - start
+                records = [record_from_response(config.name, prompt, slot.round, response, wall, unit.sampling)]
+            else:
+                records = self._send_wave(base_url, config, slot.round, plan.prompts, plan.sampling, unit.sampling)
+            self.finished[unit] = records
+            self._collect()
+            bar.update(unit.requests * self.settings.sampling.max_new_tokens)
+            if on_record is not None:
+                try:
+                    on_record(unit, records)
+                except Exception as error:
+                    raise _CallbackError(str(error)) from error
 
     def _send_wave(
         self,
@@ -577,8 +688,13 @@ class Runner:
             return response, time.perf_counter() - start
 
         start = time.perf_counter()
-        with ThreadPoolExecutor(max_workers=len(wave)) as pool:
+        pool = ThreadPoolExecutor(max_workers=len(wave))
+        try:
             results = list(pool.map(one, wave))
+        finally:
+            # An interrupted wave (Ctrl-C, SIGTERM) must not wait for answers that may take an hour: the runner
+            # stops the server, which ends the requests still in flight.
+            pool.shutdown(wait=False, cancel_futures=True)
         wave_wall = time.perf_counter() - start
         records = []
         for prompt, (response, wall) in zip(wave, results):
@@ -586,7 +702,3 @@ class Runner:
             record.concurrency, record.wave_wall_s = len(wave), wave_wall
             records.append(record)
         return records
-
-    def _requests_per_slot(self, slot: Slot) -> int:
-        per_mode = sum(sum(len(w) for w in waves(slot.prompts, c)) for c in self.settings.concurrencies)
-        return per_mode * len(self.settings.temperatures)

@@ -7,6 +7,7 @@ process group so shutdown reaches SGLang's scheduler and detokenizer children to
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import pathlib
@@ -19,8 +20,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 # uvicorn binds the HTTP port only after SGLang's scheduler has started, so the port must be one no
 # process of the server can take first: not from the kernel's ephemeral range (every bind(0) and
@@ -73,12 +75,68 @@ CPU_DEFAULT_ARGS = (
 KV_REFUSAL = "leave no GPU memory for the KV cache"
 
 
+# KV tokens a request may hold beyond its prompt and answer: the draft tokens of its last verify round.
+DRAFT_MARGIN = 64
+
+
+def waves_kv_tokens(waves: Iterable[Sequence[int]], max_new_tokens: int) -> int:
+    """Tokens of KV cache the largest wave needs at once (`waves`: the prompt lengths of each wave, a prompt
+    that a wave holds twice counted twice): its prompts plus their whole answers (and a few draft tokens
+    each), at least CPU_KV_TOKENS. A smaller pool makes SGLang queue part of a wave (or retract requests
+    mid-answer), which a benchmark of N requests in flight must not measure."""
+    need = max((sum(n + max_new_tokens + DRAFT_MARGIN for n in wave) for wave in waves), default=0)
+    return max(CPU_KV_TOKENS, need)
+
+
 def kv_pool_tokens(prompt_lengths: Sequence[int], max_new_tokens: int, concurrency: int) -> int:
     """Tokens of KV cache that `concurrency` requests in flight need at once: the longest prompts plus
-    their answers (and a few draft tokens each), at least CPU_KV_TOKENS. A smaller pool makes SGLang
-    queue part of a wave, which a benchmark of N requests in flight must not measure."""
-    longest = sorted(prompt_lengths, reverse=True)[: max(1, concurrency)]
-    return max(CPU_KV_TOKENS, sum(n + max_new_tokens + 64 for n in longest))
+    their answers, at least CPU_KV_TOKENS (waves_kv_tokens of the worst wave). With fewer prompts than
+    `concurrency`, a wave repeats them (runner.waves cycles the list): the longest count again."""
+    longest = sorted(prompt_lengths, reverse=True) or [0]
+    wave = [longest[i % len(longest)] for i in range(max(1, concurrency))]
+    return waves_kv_tokens([wave], max_new_tokens)
+
+
+# SGLang serves a request at most context_len - 1 tokens in all (its scheduler's max_req_len) and clips its
+# answer one token below that: a whole answer needs prompt + max_new_tokens + 2 <= context_len.
+CONTEXT_MARGIN = 2
+
+
+def model_context_length(model_path: str | os.PathLike[str]) -> int | None:
+    """The context length SGLang derives for a model (its config's max_position_embeddings or kin, with
+    rope scaling), unless --context-length overrides it; None when transformers cannot read its config
+    (the server's launch then says why)."""
+    from sglang.srt.utils.hf_transformers.common import get_context_length
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_path))
+    except (OSError, ValueError, KeyError):
+        return None
+    return int(get_context_length(config.get_text_config()))
+
+
+def context_length_arg(server_args: Sequence[str]) -> int | None:
+    """The value of a --context-length (or --context-length=N) in a server's launch flags, the last one."""
+    value = None
+    for i, arg in enumerate(server_args):
+        if arg == "--context-length" and i + 1 < len(server_args):
+            value = int(server_args[i + 1])
+        elif arg.startswith("--context-length="):
+            value = int(arg.split("=", 1)[1])
+    return value
+
+
+def context_shortfall(context_len: int, longest_prompt: int, max_new_tokens: int) -> str | None:
+    """Why the longest prompt's whole answer does not fit the server's context (None when it does): SGLang
+    refuses such a request (HTTP 400) or cuts its answer short."""
+    need = longest_prompt + max_new_tokens + CONTEXT_MARGIN
+    if need <= context_len:
+        return None
+    return (
+        f"the longest prompt ({longest_prompt} tokens) and --max-new-tokens {max_new_tokens} need a context of "
+        f"{need} tokens; the server's is {context_len}"
+    )
 
 
 def cpu_default_args(kv_tokens: int | None = None) -> tuple[str, ...]:
@@ -91,6 +149,25 @@ def cpu_default_args(kv_tokens: int | None = None) -> tuple[str, ...]:
 
 class ServerStartError(RuntimeError):
     pass
+
+
+def _libc_prctl() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up here, not in the forked child (which should run as little Python as possible before exec).
+_PRCTL = _libc_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
+def _kill_when_parent_dies() -> None:
+    """In the server's child process before exec: SIGKILL it when the thread that forked it exits."""
+    _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
 
 
 def check_kv_pool(info: dict) -> None:
@@ -172,9 +249,13 @@ def start_server(
     env: dict[str, str] | None = None,
     log_dir: str | None = None,
     kv_tokens: int | None = None,
+    die_with_parent: bool = False,
 ) -> ServerProcess:
     """`cpu_defaults`: add cpu_default_args(kv_tokens) before `extra_args` (which win), and fail unless the
-    server got the whole KV pool they ask for (check_kv_pool)."""
+    server got the whole KV pool they ask for (check_kv_pool). `die_with_parent` (Linux): the server is
+    killed when the thread that calls this exits, its process's death included, even by SIGKILL, which
+    runs no cleanup (SGLang's own children die with it); so call it from a thread that lives as long as
+    the server should (the main thread)."""
     port = free_port()
     args = [
         sys.executable,
@@ -194,7 +275,10 @@ def start_server(
     # Test-suite settings that must not reach the server (the Triton tests run the interpreter).
     proc_env.pop("TRITON_INTERPRET", None)
     proc_env.update(env or {})
-    proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True)
+    preexec = _kill_when_parent_dies if die_with_parent and _PRCTL is not None else None
+    proc = subprocess.Popen(
+        args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True, preexec_fn=preexec
+    )
     server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, pathlib.Path(log_file.name), args)
     try:
         _wait_healthy(server, timeout_s)

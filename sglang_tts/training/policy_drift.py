@@ -46,10 +46,10 @@ class Example:
 @dataclass
 class DriftSettings:
     checkpoints: int = 2  # RL steps to make (each a folder ckpt-K)
-    steps_per_checkpoint: int = 20  # optimizer steps between two checkpoints
-    lr: float = 2e-5
-    batch_size: int = 4
-    max_tokens: int = 384  # prompt + answer, truncated
+    steps_per_checkpoint: int = 12  # optimizer steps between two checkpoints
+    lr: float = 5e-5
+    batch_size: int = 2
+    max_tokens: int = 256  # prompt + answer, truncated
     train: str = "layers"  # "layers": the decoder layers (embeddings and head stay); "all"
     seed: int = 0
     threads: int | None = None

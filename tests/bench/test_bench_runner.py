@@ -87,6 +87,12 @@ def test_scope_suffixes_become_scope_and_adapter_rank_flags():
     assert "--tts-scope" not in by["eagle3:frozen"].server_args and by["eagle3:frozen"].scope is None
     # A configuration survives results.json.
     assert BenchConfig.from_json(by["eagle3:tts-s5-batch"].to_json()) == by["eagle3:tts-s5-batch"]
+    (group,) = build_configs(["tts-s5-group-r4"], ["eagle3"], {"eagle3": "/e"})
+    args = list(group.server_args)
+    assert group.scope == "group" and args[args.index("--tts-scope") + 1] == "group"
+    assert args[args.index("--tts-adapter-rank") + 1] == "4"
+    with pytest.raises(ConfigError, match="request or group scope"):
+        parse_config_name("tts-s5-global-r4")
 
 
 def test_variant_tags_add_their_flags_last():
@@ -470,3 +476,51 @@ def test_hybrid_configurations_flush_their_corpus_like_ngram():
     by_name = {c.name: c for c in configs}
     assert by_name["eagle3:tts+hybrid"].server_args[-2:] == ("--tts-hybrid", "on")  # a tag every run knows
     assert [shares_a_corpus(c) for c in configs] == [False, True, False, True, True]
+
+
+def test_long_answers_fit_the_kv_pool_and_the_context_at_every_concurrency(tiny_llama):
+    from types import SimpleNamespace
+
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+
+    from sglang_tts.bench.server import (
+        CPU_KV_TOKENS,
+        DRAFT_MARGIN,
+        context_length_arg,
+        context_shortfall,
+        kv_pool_tokens,
+        model_context_length,
+        waves_kv_tokens,
+    )
+
+    lengths = {"p2": 5200, "p1": 900, "p0": 3000, "p3": 1200}
+    prompts = [BenchPrompt(p, "d") for p in lengths]  # rounds: p2 p1 | p0 p3
+    allocator = SimpleNamespace(page_size=1)  # SGLang's CPU pages are one token
+    for max_new in (8192, 16384):
+        for concurrency in (1, 4, 8):
+            # Two rounds of two prompts: a wave of 8 sends each prompt of its round 4 times.
+            chunks = split_rounds(prompts, 2)
+            wave_lengths = [[lengths[p.id] for p in wave] for chunk in chunks for wave in waves(chunk, concurrency)]
+            pool = waves_kv_tokens(wave_lengths, max_new)
+            worst = [5200, 900] * (concurrency // 2) if concurrency > 1 else [5200]
+            assert pool == max(CPU_KV_TOKENS, sum(worst) + concurrency * (max_new + DRAFT_MARGIN))
+            if concurrency == 4:  # the longest prompts of all rounds together need less than this wave
+                assert pool > kv_pool_tokens(list(lengths.values()), max_new, concurrency)
+            # The whole worst wave is in the pool at once, and SGLang's own clip leaves each answer whole.
+            assert sum(n + max_new for n in worst) <= pool
+            for n in worst:
+                clipped = BaseTokenToKVPoolAllocator.max_new_tokens_for_memory(
+                    allocator, n, max_new, token_capacity=pool, sliding_window_size=None, chunk_size=None
+                )
+                assert clipped == max_new
+    # Fewer prompts than a wave: the wave repeats them, and so does the pool (it counted only 2 requests before).
+    assert kv_pool_tokens([5200, 900], 8192, 4) == 2 * 5200 + 2 * 900 + 4 * (8192 + DRAFT_MARGIN)
+
+    # The context: Qwen2.5-Coder-0.5B's 32,768 tokens hold a 5K prompt and a 16K answer; SmolLM2's 8,192 do not
+    # hold an 8K answer (SGLang would refuse each request), and the benchmark says so before starting.
+    assert context_shortfall(32768, 5200, 16384) is None and context_shortfall(8192, 8190 - 8000, 8000) is None
+    assert "need a context of 8394 tokens" in context_shortfall(8192, 200, 8192)
+    assert model_context_length(tiny_llama) == 4096  # its config's max_position_embeddings, as SGLang derives it
+    assert model_context_length(tiny_llama / "nowhere") is None  # unreadable: the launch will say why
+    assert context_length_arg(("--tts-lr", "1", "--context-length", "20000")) == 20000
+    assert context_length_arg(("--context-length=30000",)) == 30000 and context_length_arg(()) is None
