@@ -53,6 +53,10 @@ drafter against the base drafter on its canvas before its step; when the adapted
 unit (the shared drafter, or one request's adapter) is worse over a window, the next barrier
 resets that unit to base (stats.num_guard_resets, logged once per reset).
 
+New base weights (rebase(), sglang/weight_sync.py: a trainer shipped a retrained drafter and the
+engine loaded it into the serving copy): the update in flight is collected and discarded, the
+trained copy and the base weights take the new values, and reset() starts a fresh adaptation.
+
 Memory: besides the trained copy, a base copy of the trained parameters (what a reset restores and
 what the guard scores against), one rollback copy of the trained parameters and optimizer
 state (refilled in place before an update that needs it) and one copy of the last published trained
@@ -67,7 +71,7 @@ import copy
 import itertools
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -417,6 +421,55 @@ class Distiller:
         if self.guard is not None:
             self.guard.forget()
         self.barrier(force=True)
+
+    def rebase(self, values: Mapping[str, torch.Tensor]) -> None:
+        """New base weights: a retrained drafter that the engine loaded into its serving copy
+        (sglang/weight_sync.py). `values` by name in trained_drafter.named_parameters() (trained and
+        frozen parameters alike; names left out keep their base values). The update in flight is
+        collected and discarded (it trained the old drafter); the trained copy and the base weights
+        take `values`; then reset(): base weights, fresh optimizer state, the guard's scores and pending
+        resets forgotten, per-scope counters, published (the serving copy already holds the values: the
+        publish writes them again, and bumps weight_version).
+
+        All or nothing for the weights: if it fails part-way, the base weights are put back, and the
+        trained copy too (if reset() had begun: at the old base, with a fresh optimizer state); the
+        next barrier publishes the trained copy again; then the error propagates."""
+        if self.executor.pending:
+            self._absorb(self.executor.wait())
+        params = dict(self.trained_drafter.named_parameters())
+        unknown = sorted(set(values) - set(params))
+        if unknown:
+            raise KeyError(f"the drafter has no parameters {unknown}")
+        index = {id(p): i for i, p in enumerate(self.train_params)}
+        targets = [params[name].detach() for name in values]
+        based = [index[id(params[name])] for name in values if id(params[name]) in index]
+        with torch.inference_mode(False), torch.no_grad():
+            old_targets = [t.clone() for t in targets]
+            old_base = [self.base_weights[i].clone() for i in based]
+        resetting = False
+        try:
+            with torch.inference_mode(False), torch.no_grad():
+                for target, value in zip(targets, values.values()):
+                    target.copy_(value)
+                for i in based:
+                    self.base_weights[i].copy_(self.train_params[i])
+            resetting = True
+            self.reset()
+        except Exception:
+            with torch.inference_mode(False), torch.no_grad():
+                torch._foreach_copy_(targets, old_targets)
+                for i, old in zip(based, old_base):
+                    self.base_weights[i].copy_(old)
+                if resetting:  # reset() may have moved any trained weight: all back to the old base
+                    torch._foreach_copy_([p.detach() for p in self.train_params], self.base_weights)
+                    self.optimizer.state.clear()
+            self._unpublished = True
+            raise
+
+    def republish(self) -> None:
+        """Have the next barrier publish the trained copy again (the serving copy was written by
+        someone else, e.g. a weight load that failed and could not be rolled back)."""
+        self._unpublished = True
 
     def reset_parameters(self, names: list[str], unit: int | None = None) -> None:
         """Restore some trained parameters to their base values and forget their optimiser state

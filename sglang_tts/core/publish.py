@@ -3,7 +3,9 @@
 The inference copy (SGLang's draft runner) may fuse parameters (q/k/v -> qkv_proj, gate/up ->
 gate_up_proj), shard them over tensor-parallel ranks, and have its storage baked into captured
 CUDA graphs. So publishing never rebinds a tensor: each destination is written with
-`dst.copy_(...)` (casting dtype and device), and its data_ptr never changes.
+`dst.copy_(...)` (casting dtype and device), and its data_ptr never changes. `read` is the inverse
+(the inference copy's values back into tensors shaped as the trained weights, unsharded only): how
+TTS re-reads a retrained drafter that SGLang loaded into its draft model (sglang/weight_sync.py).
 
 A ParamBinding says how one destination is assembled from trained tensors:
 
@@ -91,6 +93,22 @@ class ParamBinding:
             self.dst.data.narrow(self.cat_dim, offset, width).copy_(part)
             offset += width
 
+    @torch.no_grad()
+    def read(self, out: Mapping[str, torch.Tensor]) -> None:
+        """The inverse of write: copy dst's slices into the source tensors `out[s]` (shaped as the
+        trained weights), in place, casting. A sharded destination holds one rank's slice only."""
+        if self.shard is not None:
+            raise PublishError(f"{self.name or 'binding'}: a sharded destination cannot be read back")
+        missing = [s for s in self.sources if s not in out]
+        if missing:
+            raise PublishError(f"{self.name or 'binding'}: nothing to read {missing} into")
+        offset = 0
+        for source in self.sources:
+            part = out[source]
+            width = part.shape[self.cat_dim]
+            part.copy_(self.dst.detach().narrow(self.cat_dim, offset, width))
+            offset += width
+
 
 def _meta(x: torch.Tensor | Sequence[int]) -> torch.Tensor:
     shape = x.shape if isinstance(x, torch.Tensor) else tuple(x)
@@ -114,6 +132,12 @@ class WeightPublisher:
     def publish(self, named_params: Mapping[str, torch.Tensor]) -> None:
         for binding in self.bindings:
             binding.write(named_params)
+
+    def read(self, out: Mapping[str, torch.Tensor]) -> None:
+        """The inverse of publish: the bound inference tensors' current values into `out` (by trained
+        name, every bound name present), e.g. a retrained drafter an engine loaded itself."""
+        for binding in self.bindings:
+            binding.read(out)
 
     @classmethod
     def from_name_map(

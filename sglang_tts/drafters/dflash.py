@@ -279,10 +279,13 @@ class DFlashDrafter(nn.Module):
             )
         self.mask_embedding = embedding.detach().reshape(self.cfg.hidden_size)
 
-    def checkpoint_plan(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], list[str]]:
+    def checkpoint_plan(
+        self, shapes: dict[str, tuple[int, ...]], partial: bool = False
+    ) -> tuple[dict[str, str], list[str]]:
         """What `load_checkpoint_weights` makes of tensors of these names and shapes, values unread:
         {stored name: own name} and the ignored names; raises CheckpointTensorError naming a tensor
-        whose shape does not fit, or the tensors the checkpoint lacks. Names: `layers.*`, `fc`,
+        whose shape does not fit, or the tensors the checkpoint lacks (none with `partial`: some of a
+        drafter's tensors, a weight update). Names: `layers.*`, `fc`,
         `hidden_norm`, `norm` (optional `model.` prefix; the native export's `encoder.fc.weight` /
         `encoder.output_norm_enc.weight` aliases), as models/dflash.py:DFlashDraftModel.load_weights."""
         aliases = {"encoder.fc.weight": "fc.weight", "encoder.output_norm_enc.weight": "hidden_norm.weight"}
@@ -296,7 +299,7 @@ class DFlashDrafter(nn.Module):
                 continue
             check_tensor_shape(raw_name, shape, own[name])
             plan[raw_name] = name
-        missing = sorted(set(own) - set(plan.values()))
+        missing = [] if partial else sorted(set(own) - set(plan.values()))
         if missing:
             raise CheckpointTensorError(f"DFlash checkpoint is missing {missing}")
         return plan, ignored

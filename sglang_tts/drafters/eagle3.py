@@ -286,11 +286,14 @@ class Eagle3Drafter(nn.Module):
                 raise ValueError(f"target lm_head {tuple(lm_head.shape)} does not fit the drafter")
             self.borrowed_lm_head = lm_head.detach()
 
-    def checkpoint_plan(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict[str, str], list[str]]:
+    def checkpoint_plan(
+        self, shapes: dict[str, tuple[int, ...]], partial: bool = False
+    ) -> tuple[dict[str, str], list[str]]:
         """What `load_checkpoint_weights` makes of tensors of these names and shapes, values unread:
         {stored name: own name} and the ignored names. Raises CheckpointTensorError naming a tensor
         whose shape does not fit, or the tensors the checkpoint lacks (the launch check runs this on
-        a meta-device drafter and the files' headers).
+        a meta-device drafter and the files' headers). `partial`: some of a drafter's tensors (a
+        weight update, sglang/weight_sync.py): nothing is required.
 
         Name handling follows llama_eagle3.py:LlamaForCausalLMEagle3.load_weights: `midlayer` ->
         `layers.0`, `aux_norm_{low,mid,high}` -> `fc_norm.{0,1,2}`, optional `model.` prefix.
@@ -313,6 +316,8 @@ class Eagle3Drafter(nn.Module):
             check_tensor_shape(raw_name, shape, own[name])
             plan[raw_name] = name
         found = set(plan.values())
+        if partial:
+            return plan, ignored
         if self.cfg.own_embedding and _EMBED not in found and self.embed_weight is None:
             raise CheckpointTensorError(
                 "EAGLE-3 checkpoint with target_hidden_size != hidden_size must ship embed_tokens.weight"

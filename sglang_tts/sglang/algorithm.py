@@ -237,7 +237,7 @@ def register_tts_algorithm() -> None:
     HookRegistry.register("sglang.srt.server_args.ServerArgs.add_cli_args", flags.add_cli_args_hook, HookType.AFTER)
     metrics.register_hooks(HookRegistry, HookType)
     requests.register_hooks(HookRegistry, HookType)  # every server, with or without TTS
-    weight_sync.register_hooks(HookRegistry, HookType)  # weight updates reach a TTS server's target only
+    weight_sync.register_hooks(HookRegistry, HookType)  # a TTS server: target weights to the target, a drafter's to TTS
     reason_hook = adaptive_steps.adaptive_reason_hook(ALGORITHM_NAME, lambda: builtin_algorithm().name)
     HookRegistry.register(adaptive_steps.ADAPTIVE_REASON_TARGET, reason_hook, HookType.AROUND)
     _registered = True

@@ -378,8 +378,28 @@ REQUIREMENTS: tuple[Requirement, ...] = (
     ),
     Requirement(
         _MODEL_RUNNER,
-        "the workers read the model and its pools",
-        attributes=("model", "req_to_token_pool", "token_to_kv_pool", "dtype"),
+        "the workers read the model and its pools; weight_sync.py the draft runner's model and updater",
+        attributes=("model", "req_to_token_pool", "token_to_kv_pool", "dtype", "weight_updater"),
+        scope="tts",
+    ),
+    Requirement(
+        f"{_UPDATER}.update_weights_from_tensor",
+        "weight_sync.py loads a retrained drafter's tensors through the draft runner's updater",
+        ("self", "*", "named_tensors", "load_format"),
+        calls=True,
+        scope="tts",
+    ),
+    Requirement(
+        "sglang.srt.model_executor.model_runner_components.weight_updater:LocalSerializedTensor",
+        "weight_sync.py unwraps a shipped drafter tensor (rank 0) before checking it",
+        attributes=("values", "get"),
+        scope="tts",
+    ),
+    Requirement(
+        f"{_UPDATER}.load_weights_from_distributed",
+        "weight_sync.py loads a retrained drafter's received tensors through the draft runner's updater",
+        ("self", "named_tensors"),
+        calls=True,
         scope="tts",
     ),
     Requirement(

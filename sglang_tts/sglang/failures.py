@@ -34,6 +34,7 @@ SITES = (
     "prompt_capture",
     "prompt",
     "target_update",  # weight_sync.py: the drafter's side of a target weight update
+    "drafter_update",  # weight_sync.py: a retrained drafter loaded through selector "draft" (rolled back)
 )
 FAULT_SITES_ENV = "SGLANG_TTS_FAULT_SITES"
 
@@ -57,6 +58,8 @@ def fault_sites_from_env() -> dict[str, int]:
 class FailureLog:
     def __init__(self, log_every: int = 100, inject: dict[str, int] | None = None) -> None:
         self.counts: dict[str, int] = dict.fromkeys(SITES, 0)  # fixed keys: bounded
+        # Per site, the latest failure as text (for answers that name it; no traceback kept alive).
+        self.last_error: dict[str, str] = {}
         self.log_every = log_every
         self._inject = inject or {}
         self._calls: dict[str, int] = dict.fromkeys(self._inject, 0)
@@ -78,6 +81,7 @@ class FailureLog:
 
     def record(self, site: str, error: BaseException, request_ids: list[str]) -> None:
         self.counts[site] = self.counts.get(site, 0) + 1
+        self.last_error[site] = f"{type(error).__name__}: {error}"
         count = self.counts[site]
         if count == 1:
             logger.error(

@@ -1,4 +1,5 @@
-"""SGLang's weight-update endpoints on a TTS server: the target's new weights reach the target only.
+"""SGLang's weight-update endpoints on a TTS server: the target's new weights reach the target, a
+retrained drafter's reach the drafter and become TTS's base.
 
 An RL trainer changes the served policy through `/update_weights_from_disk` (or `_from_tensor`,
 `_from_distributed`, `_from_ipc`). SGLang 0.5.23's `SchedulerWeightUpdaterManager` fans each of
@@ -17,10 +18,10 @@ hook on `_select_runners` hands SGLang views of its runners whose `weight_update
   the payload is the target's. The draft runner's view loads nothing into the drafter and answers
   success (SGLang loads the target first and stops at the first failure);
 - selector "draft" (a trainer shipping a retrained drafter through `_from_tensor` or
-  `_from_distributed`): refused, with a message naming the reason (400); the drafter is unchanged.
+  `_from_distributed`, EAGLE-3 and DFlash alike): `TargetSync.drafter_loaded`, below.
 Everything else of the draft runner (`check_weights`, begin/end of a weight-update session, ...)
-is the runner's own, except that the drafter's weights are never restored or post-processed for a
-load that will not come.
+is the runner's own, except that in a session opened with selector "all" the drafter's weights are
+not restored or post-processed (no-ops for the unquantized draft models TTS binds).
 
 `TargetSync.target_updated` runs on the scheduler thread, between rounds: it collects an update
 still in flight (trained against the old target) and publishes it, refreshes the drafter's borrowed
@@ -29,6 +30,27 @@ serving already reads the new ones; the trained copy must too, or updates train 
 and then, with `--tts-on-target-update reset` (the default), resets the adapted drafter(s) to base
 so that the next round drafts with the base drafter; with `keep` adaptation goes on from where it
 is. Counted in `sglang_tts:target_updates_total{source}` and logged.
+
+`TargetSync.drafter_loaded` (selector "draft", scheduler thread, between rounds; per call, so a
+drafter shipped in several calls of one session is re-read after each):
+1. every tensor must fit the drafter, by the names and shapes its checkpoint loader takes
+   (`checkpoint_plan`: `midlayer.` / `model.` prefixes, separate q/k/v and gate/up), land on a
+   parameter that SGLang's draft model holds (not the target's borrowed embedding or LM head), be
+   finite; `d2t` / `t2d` must equal the launched ones (SGLang keeps drafting with its draft
+   vocabulary). Else the answer is a 400 naming the tensors (`DRAFT_UPDATE_REFUSED`), and nothing
+   has changed. Only `load_format` null (named tensors) is taken.
+2. SGLang's draft runner loads them with its own weight updater, as for stock EAGLE3 (fused
+   qkv / gate_up, CPU repacking), after a snapshot of the draft model's bound parameters;
+3. TTS re-reads them from SGLang's draft model through the publish binding read backwards
+   (`WeightPublisher.read`) and checks that SGLang holds exactly the shipped values;
+4. `Distiller.rebase`: the update in flight is collected and discarded, the trained copy and the
+   base weights take the new values (tensors not shipped keep their base values), then a reset:
+   fresh optimizer state, per-request adapters back to base, the guard's scores forgotten, the base
+   published (SGLang's draft model then holds the new base everywhere).
+A failure in 2-4 (an exception in SGLang's loader, a value SGLang did not take, ...) is absorbed at
+the site `drafter_update`: SGLang's draft model is written back from the snapshot, TTS keeps the
+drafter it had, and the answer is a 400 saying so; the server serves on. Counted in
+`sglang_tts:drafter_updates_total{source,result}` (result applied / refused / failed) and logged.
 """
 
 from __future__ import annotations
@@ -36,12 +58,16 @@ from __future__ import annotations
 import logging
 import os
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from sglang_tts.core.publish import ParamBinding
+
 if TYPE_CHECKING:
+    from sglang_tts.core.publish import WeightPublisher
     from sglang_tts.sglang.runtime import TTSRuntime
 
 logger = logging.getLogger(__name__)
@@ -49,16 +75,28 @@ logger = logging.getLogger(__name__)
 OnTargetUpdate = Literal["keep", "reset"]
 ON_TARGET_UPDATE_MODES = ("keep", "reset")
 TargetSource = Literal["disk", "tensor", "distributed", "ipc"]
+DrafterUpdateResult = Literal["applied", "refused", "failed"]
+NamedTensors = Sequence[tuple[str, Any]]
+DRAFTER_SITE = "drafter_update"  # sglang/failures.py
 
 SELECT_RUNNERS = "sglang.srt.managers.scheduler_components.weight_updater.SchedulerWeightUpdaterManager._select_runners"
-# Why a TTS server refuses drafter weights sent through selector="draft" (the HTTP answer is a 400).
-DRAFT_UPDATE_REFUSED = (
-    "sglang-tts: this server adapts its drafter at test time (--speculative-algorithm TTS), so the "
-    "drafter's weights are TTS's (a trained copy, its base weights, optimizer state); loading new "
-    "drafter weights with selector='draft' is not supported. Update the target with selector "
-    "'all' or 'target' (the drafter follows per --tts-on-target-update), or relaunch with the "
-    "retrained drafter as --speculative-draft-model-path."
-)
+# How a 400 for drafter weights that do not fit begins; the tensors at fault follow.
+DRAFT_UPDATE_REFUSED = "sglang-tts: drafter weights refused, the drafter is unchanged"
+# How a 400 for a drafter load that failed part-way begins; the error follows.
+DRAFT_UPDATE_FAILED = "sglang-tts: loading the drafter weights failed and was rolled back, the drafter is unchanged"
+# The draft vocabulary maps: a shipped copy must equal the launched one (SGLang drafts with that one).
+VOCAB_MAPS = ("d2t", "t2d")
+_NAMED_AT_MOST = 4  # tensors a refusal names (then "and N more")
+
+
+class DrafterTensorError(ValueError):
+    """Shipped drafter tensors that do not fit; `problems` names each one."""
+
+    def __init__(self, problems: list[str]) -> None:
+        shown = "; ".join(problems[:_NAMED_AT_MOST])
+        more = f"; and {len(problems) - _NAMED_AT_MOST} more" if len(problems) > _NAMED_AT_MOST else ""
+        super().__init__(shown + more)
+        self.problems = problems
 
 
 @dataclass
@@ -81,7 +119,10 @@ class TargetSync:
         self.target_model = target_model
         self.mode: OnTargetUpdate = mode
         self.num_target_updates = 0
+        self.num_drafter_updates = 0
         self.counter = _target_update_counter()
+        self.drafter_counter = _drafter_update_counter()
+        self._drafter_weights: DrafterWeights | None = None
 
     def target_updated(self, source: TargetSource) -> TargetUpdateReport:
         """SGLang has written new target weights (scheduler thread, between rounds)."""
@@ -107,6 +148,207 @@ class TargetSync:
             ", ".join(refreshed) or "nothing",
         )
         return report
+
+    def drafter_loaded(
+        self,
+        source: TargetSource,
+        named_tensors: NamedTensors,
+        draft_model: torch.nn.Module,
+        load: Callable[[list[tuple[str, torch.Tensor]]], tuple[bool, str]],
+    ) -> tuple[bool, str]:
+        """A retrained drafter's tensors through selector "draft" (scheduler thread, between rounds):
+        refused if they do not fit; else `load` (SGLang's draft runner's own weight updater) writes them
+        into `draft_model`, TTS re-reads them as its base and starts a fresh adaptation; a failure is
+        rolled back (module docstring). Returns SGLang's (success, message)."""
+        runtime = self.runtime
+        try:
+            weights = self._weights_of(draft_model)
+            tensors = [(str(name), _local_tensor(tensor)) for name, tensor in named_tensors]
+            plan = weights.plan(tensors)
+        except DrafterTensorError as error:
+            return self._drafter_done(source, "refused", f"{DRAFT_UPDATE_REFUSED}: {error}")
+        except Exception as error:  # noqa: BLE001 - never take the scheduler down
+            runtime.failures.record(DRAFTER_SITE, error, [])
+            return self._drafter_done(source, "failed", f"{DRAFT_UPDATE_FAILED}: {type(error).__name__}: {error}")
+        to_load = [(name, tensor) for name, tensor in tensors if name in plan and plan[name] not in VOCAB_MAPS]
+        failures = runtime.failures
+        failed_before = failures.counts.get(DRAFTER_SITE, 0)
+        snapshot: list[tuple[ParamBinding, torch.Tensor]] | None = None
+        answer: tuple[bool, str] = (False, "not loaded")
+        values: dict[str, torch.Tensor] = {}
+        with failures.absorb(DRAFTER_SITE):
+            snapshot = weights.snapshot()
+            answer = load(to_load)  # SGLang's own loader (it may assert, or answer a failure)
+            if answer[0]:
+                values = weights.read(plan, tensors)
+        if failures.counts.get(DRAFTER_SITE, 0) != failed_before:
+            why = failures.last_error[DRAFTER_SITE]
+            return self._drafter_done(source, "failed", self._rolled_back(weights, snapshot, why))
+        if not answer[0]:
+            return self._drafter_done(source, "failed", self._rolled_back(weights, snapshot, answer[1]))
+        discarded = runtime.distiller.executor.pending
+        try:  # rebase restores TTS's copies itself if it fails part-way
+            runtime._absorbing(lambda: runtime.distiller.rebase(values))
+        except Exception as error:  # noqa: BLE001
+            failures.record(DRAFTER_SITE, error, [])
+            return self._drafter_done(
+                source, "failed", self._rolled_back(weights, snapshot, f"{type(error).__name__}: {error}")
+            )
+        self.num_drafter_updates += 1
+        names = sorted({plan[name] for name, _ in to_load})
+        logger.info(
+            "sglang-tts: drafter weights loaded (%s, drafter update %d): %d tensors re-read as the TTS "
+            "drafter's base (%s); adaptation restarts from them%s",
+            source,
+            self.num_drafter_updates,
+            len(to_load),
+            ", ".join(names[:6]) + (", ..." if len(names) > 6 else ""),
+            "; the update in flight was discarded" if discarded else "",
+        )
+        return self._drafter_done(
+            source,
+            "applied",
+            f"sglang-tts: drafter weights loaded ({len(to_load)} tensors); the TTS drafter re-read them as its "
+            "base and adapts from there.",
+            ok=True,
+        )
+
+    def _weights_of(self, draft_model: torch.nn.Module) -> DrafterWeights:
+        if self._drafter_weights is None or self._drafter_weights.draft_model is not draft_model:
+            self._drafter_weights = DrafterWeights(self.runtime, draft_model)
+        return self._drafter_weights
+
+    def _rolled_back(
+        self, weights: DrafterWeights, snapshot: list[tuple[ParamBinding, torch.Tensor]] | None, why: str
+    ) -> str:
+        """Write SGLang's draft model back from the snapshot; the 400's message."""
+        if snapshot is None:
+            return f"{DRAFT_UPDATE_FAILED}: {why}"
+        try:
+            weights.restore(snapshot)
+        except Exception as error:  # noqa: BLE001
+            self.runtime.failures.record(DRAFTER_SITE, error, [])
+            # The trained copy is what served before: the next barrier publishes it over SGLang's.
+            self.runtime.distiller.republish()
+            return (
+                f"sglang-tts: loading the drafter weights failed ({why}) and writing SGLang's draft model "
+                f"back failed too ({type(error).__name__}: {error}); TTS republishes the drafter it had at "
+                "the next round"
+            )
+        return f"{DRAFT_UPDATE_FAILED}: {why}"
+
+    def _drafter_done(
+        self, source: TargetSource, result: DrafterUpdateResult, message: str, ok: bool = False
+    ) -> tuple[bool, str]:
+        if self.drafter_counter is not None:
+            self.drafter_counter.labels(source=source, result=result).inc()
+        if not ok:
+            logger.warning("%s (%s)", message, source)
+        return ok, message
+
+
+def _local_tensor(value: Any) -> Any:
+    """A shipped tensor, unwrapped from SGLang's per-rank LocalSerializedTensor (rank 0: TTS serves
+    one rank); anything else as it came (plan() refuses what is not a tensor)."""
+    from sglang.srt.model_executor.model_runner_components.weight_updater import LocalSerializedTensor
+
+    return value.get(0) if isinstance(value, LocalSerializedTensor) else value
+
+
+class DrafterWeights:
+    """A TTS worker's differentiable drafter (the plain one under per-request adapters) bound to
+    SGLang's draft model, read backwards: which shipped tensors fit, their values in SGLang's draft
+    model after its load, and a snapshot of that model's bound parameters to roll back to."""
+
+    def __init__(self, runtime: TTSRuntime, draft_model: torch.nn.Module) -> None:
+        from sglang_tts.core.adapters import AdaptedDrafter
+        from sglang_tts.sglang.binding import bind_draft_reader
+
+        drafter = runtime.drafter
+        adapted = isinstance(drafter, AdaptedDrafter)
+        self.drafter: torch.nn.Module = drafter.base if adapted else drafter
+        self.prefix = "base." if adapted else ""  # its parameters' names in the Distiller's trained drafter
+        self.draft_model = draft_model
+        self.params = {name: p.detach() for name, p in self.drafter.named_parameters()}
+        self.reader: WeightPublisher
+        self.reader, unbound = bind_draft_reader(self.drafter, draft_model)
+        self.bound = set(self.params) - set(unbound)
+        self.serving_dtype = {source: b.dst.dtype for b in self.reader.bindings for source in b.sources}
+
+    def plan(self, tensors: list[tuple[str, Any]]) -> dict[str, str]:
+        """{shipped name: the drafter's parameter (or d2t / t2d)}; raises DrafterTensorError naming every
+        tensor that does not fit (checked before anything is written)."""
+        from sglang_tts.drafters.common import CheckpointTensorError
+
+        problems: list[str] = []
+        plan: dict[str, str] = {}
+        for name, tensor in tensors:
+            if not isinstance(tensor, torch.Tensor):
+                problems.append(f"{name}: not a tensor ({type(tensor).__name__})")
+                continue
+            try:
+                mapped, ignored = self.drafter.checkpoint_plan({name: tuple(tensor.shape)}, partial=True)
+            except CheckpointTensorError as error:
+                problems.append(str(error))
+                continue
+            if ignored:
+                stem = name.removeprefix("model.").split(".")[0]
+                if stem in ("embed_tokens", "lm_head"):
+                    problems.append(f"{name}: the drafter uses the target's {stem} (update it with selector 'target')")
+                else:
+                    problems.append(f"{name}: no tensor of the {self.drafter.kind} drafter has this name")
+                continue
+            own = mapped[name]
+            if own in plan.values():
+                problems.append(f"{name}: {own} is shipped twice")
+            elif own in VOCAB_MAPS:
+                launched = getattr(self.drafter, own)
+                if not torch.equal(tensor.to(device=launched.device, dtype=launched.dtype), launched):
+                    problems.append(
+                        f"{name}: differs from the launched draft vocabulary map; SGLang drafts with the one it "
+                        "launched with (relaunch with the retrained drafter to change it)"
+                    )
+            elif own not in self.bound:
+                problems.append(
+                    f"{name}: the drafter's {own} is not a parameter SGLang's draft model holds for it "
+                    "(loaded at launch only)"
+                )
+            elif not tensor.is_floating_point():
+                problems.append(f"{name}: dtype {tensor.dtype} (a floating-point tensor expected)")
+            elif not bool(torch.isfinite(tensor).all()):
+                problems.append(f"{name}: has non-finite values")
+            plan[name] = own
+        if problems:
+            raise DrafterTensorError(problems)
+        return plan
+
+    def snapshot(self) -> list[tuple[ParamBinding, torch.Tensor]]:
+        with torch.inference_mode(False), torch.no_grad():
+            return [(binding, binding.dst.detach().clone()) for binding in self.reader.bindings]
+
+    def restore(self, snapshot: list[tuple[ParamBinding, torch.Tensor]]) -> None:
+        """Write the snapshot back through ParamBinding.write, so a packed copy follows (CPU layer)."""
+        with torch.inference_mode(False), torch.no_grad():
+            for binding, saved in snapshot:
+                ParamBinding(binding.dst, ["saved"], name=binding.name).write({"saved": saved})
+
+    def read(self, plan: dict[str, str], tensors: list[tuple[str, Any]]) -> dict[str, torch.Tensor]:
+        """The shipped parameters' values in SGLang's draft model after its load, by name in the
+        Distiller's trained drafter; raises if SGLang does not hold exactly the shipped values."""
+        with torch.inference_mode(False), torch.no_grad():
+            out = {name: torch.empty_like(self.params[name]) for name in self.bound}
+            self.reader.read(out)
+            values: dict[str, torch.Tensor] = {}
+            for name, tensor in tensors:
+                own = plan[name]
+                if own in VOCAB_MAPS:
+                    continue
+                held = out[own]
+                expected = tensor.to(device=held.device, dtype=self.serving_dtype[own]).to(held.dtype)
+                if not torch.equal(held, expected):
+                    raise RuntimeError(f"{name}: SGLang's draft model does not hold the shipped values after its load")
+                values[self.prefix + own] = held
+        return values
 
 
 def refresh_borrowed_target_tensors(drafter: torch.nn.Module, target_model: torch.nn.Module) -> tuple[str, ...]:
@@ -201,25 +443,48 @@ class _KeepDrafter:
         """Nothing was loaded into the drafter."""
 
 
-class _RefuseDrafterWeights:
-    """The draft runner's weight updater for selector "draft": TTS owns the drafter's weights."""
+class _LoadDrafter:
+    """The draft runner's weight updater for selector "draft" (a retrained drafter): SGLang's own,
+    behind TargetSync.drafter_loaded (checks first, re-read as TTS's base after, rolled back on failure).
+    Begin / end of a session opened with selector "draft" are the runner's own."""
+
+    def __init__(self, runner: Any, sync: TargetSync) -> None:
+        self._runner = runner
+        self._updater = runner.weight_updater
+        self._sync = sync
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._updater, name)
+
+    def update_weights_from_tensor(self, named_tensors: Any, load_format: str | None = None) -> tuple[bool, str]:
+        if load_format is not None:
+            return False, (
+                f"{DRAFT_UPDATE_REFUSED}: load_format {load_format!r} is not taken for the TTS drafter; send "
+                "named tensors (load_format null)"
+            )
+        return self._sync.drafter_loaded(
+            "tensor",
+            named_tensors,
+            self._runner.model,
+            lambda tensors: self._updater.update_weights_from_tensor(named_tensors=tensors, load_format=None),
+        )
+
+    def load_weights_from_distributed(self, named_tensors: Any) -> tuple[bool, str]:
+        return self._sync.drafter_loaded(
+            "distributed", named_tensors, self._runner.model, self._updater.load_weights_from_distributed
+        )
 
     def update_weights_from_disk(self, *args: Any, **kwargs: Any) -> tuple[bool, str]:
-        return False, DRAFT_UPDATE_REFUSED
+        """Not reached in SGLang 0.5.23 (from disk and IPC know no selector: they load the target)."""
+        return False, f"{DRAFT_UPDATE_REFUSED}: send a retrained drafter's tensors through /update_weights_from_tensor"
 
-    update_weights_from_tensor = load_weights_from_distributed = update_weights_from_ipc = update_weights_from_disk
-
-    def begin_weight_update(self) -> None:
-        """The load will be refused: the drafter's weights are left as they serve."""
-
-    def end_weight_update(self, *, run_post_load: bool) -> None:
-        """Nothing was loaded into the drafter."""
+    update_weights_from_ipc = update_weights_from_disk
 
 
 class RunnerView:
     """One of SGLang's ModelRunners with TTS's weight updater in place of its own."""
 
-    def __init__(self, runner: Any, weight_updater: _TargetLoads | _KeepDrafter | _RefuseDrafterWeights) -> None:
+    def __init__(self, runner: Any, weight_updater: _TargetLoads | _KeepDrafter | _LoadDrafter) -> None:
         self._runner = runner
         self.weight_updater = weight_updater
 
@@ -250,13 +515,17 @@ def target_sync(spec_worker: Any) -> TargetSync | None:
 
 def route_runners(runners: list[tuple[str, Any]], sync: TargetSync) -> list[tuple[str, Any]]:
     """SGLang's (role, runner) list for one weight operation, with TTS's views: the target's loads
-    tell `sync`; the drafter keeps its weights (the target's are loaded too) or refuses (they are not)."""
+    tell `sync`; the drafter keeps its weights (the target's are loaded: selector "all") or loads the
+    payload as a retrained drafter (selector "draft": no target runner)."""
     with_target = any(role == "target" for role, _ in runners)
-    draft_updater = _KeepDrafter(sync) if with_target else _RefuseDrafterWeights()
-    return [
-        (role, RunnerView(runner, _TargetLoads(runner.weight_updater, sync) if role == "target" else draft_updater))
-        for role, runner in runners
-    ]
+    keep = _KeepDrafter(sync)
+
+    def view(role: str, runner: Any) -> RunnerView:
+        if role == "target":
+            return RunnerView(runner, _TargetLoads(runner.weight_updater, sync))
+        return RunnerView(runner, keep if with_target else _LoadDrafter(runner, sync))
+
+    return [(role, view(role, runner)) for role, runner in runners]
 
 
 def select_runners_hook(original, manager, *args: Any, **kwargs: Any) -> list[tuple[str, Any]]:
@@ -270,26 +539,39 @@ def register_hooks(registry, hook_type) -> None:
     registry.register(SELECT_RUNNERS, select_runners_hook, hook_type.AROUND)
 
 
-_counter: list[Any] = []
+_counters: dict[str, Any] = {}
 
 
-def _target_update_counter():
-    """Prometheus `sglang_tts:target_updates_total{source}` where SGLang collects metrics (made once
-    per process: prometheus_client refuses a second collector of the same name)."""
+def _prometheus_counter(name: str, documentation: str, labels: list[str]):
+    """A Prometheus counter where SGLang collects metrics (made once per process: prometheus_client
+    refuses a second collector of the same name); None without metrics."""
     if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         return None
-    if not _counter:
+    if name not in _counters:
         try:
             from prometheus_client import Counter
 
-            _counter.append(
-                Counter(
-                    "sglang_tts:target_updates_total",
-                    "Target weight updates a TTS server applied (the drafter kept its own weights)",
-                    ["source"],
-                )
-            )
+            _counters[name] = Counter(name, documentation, labels)
         except (ImportError, ValueError):
-            logger.warning("sglang-tts: the target update counter is unavailable", exc_info=True)
-            _counter.append(None)
-    return _counter[0]
+            logger.warning("sglang-tts: the counter %s is unavailable", name, exc_info=True)
+            _counters[name] = None
+    return _counters[name]
+
+
+def _target_update_counter():
+    """Prometheus `sglang_tts:target_updates_total{source}`."""
+    return _prometheus_counter(
+        "sglang_tts:target_updates_total",
+        "Target weight updates a TTS server applied (the drafter kept its own weights)",
+        ["source"],
+    )
+
+
+def _drafter_update_counter():
+    """Prometheus `sglang_tts:drafter_updates_total{source,result}` (result: applied, refused, failed)."""
+    return _prometheus_counter(
+        "sglang_tts:drafter_updates_total",
+        "Retrained drafter weights sent with selector 'draft' to a TTS server: applied (re-read as the "
+        "drafter's base), refused (did not fit), failed (rolled back)",
+        ["source", "result"],
+    )
