@@ -44,6 +44,7 @@ from sglang_tts.bench.configs import (  # noqa: E402
     BenchConfig,
     ConfigError,
     build_configs,
+    check_context,
     kinds_needed,
     parse_config_name,
     parse_drafter_args,
@@ -62,12 +63,7 @@ from sglang_tts.bench.runner import (  # noqa: E402
     split_rounds,
     waves,
 )
-from sglang_tts.bench.server import (  # noqa: E402
-    context_length_arg,
-    context_shortfall,
-    model_context_length,
-    waves_kv_tokens,
-)
+from sglang_tts.bench.server import waves_kv_tokens  # noqa: E402
 from sglang_tts.bench.suite import (  # noqa: E402
     REQUESTS,
     BenchPlan,
@@ -223,25 +219,6 @@ def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig
         spec.sync,
         scope=spec.scope,
     )
-
-
-def check_context(configs: list[BenchConfig], model: str, longest_prompt: int, max_new_tokens: int) -> None:
-    """Refuse a plan whose longest prompt and answer exceed a server's context (the model's, or the
-    configuration's --context-length): SGLang would answer each such request with HTTP 400."""
-    model_context: list[int | None] = []  # read once, when a configuration does not set its own
-    for config in configs:
-        context = context_length_arg(config.server_args)
-        if context is None:
-            model_context = model_context or [model_context_length(model)]
-            context = model_context[0]
-        problem = None if context is None else context_shortfall(context, longest_prompt, max_new_tokens)
-        if problem:
-            raise ConfigError(
-                f"{config.name}: {problem}, and SGLang refuses longer requests. Lower --max-new-tokens, use a "
-                "model with a longer context (Qwen2.5-Coder-0.5B-Instruct: 32768), or give "
-                "--server-arg=--context-length=N (beyond the model's own, SGLang also wants "
-                "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the environment)"
-            )
 
 
 def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:

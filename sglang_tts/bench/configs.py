@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.assets import cache_root
+from sglang_tts.bench.server import context_length_arg, context_shortfall, model_context_length
 from sglang_tts.config import ADAPTER_SCOPES, SCOPES
 from sglang_tts.drafters.shipped import shipped_drafter
 
@@ -394,3 +395,22 @@ def resolve_drafters(
             raise ConfigError(f"{path} is not an {kind} drafter (its config.json declares {found or 'neither kind'})")
         out[kind] = path
     return out
+
+
+def check_context(configs: Sequence[BenchConfig], model: str, longest_prompt: int, max_new_tokens: int) -> None:
+    """Refuse a plan whose longest prompt and answer exceed a server's context (the model's, or the
+    configuration's --context-length): SGLang would answer each such request with HTTP 400."""
+    model_context: list[int | None] = []  # read once, when a configuration does not set its own
+    for config in configs:
+        context = context_length_arg(config.server_args)
+        if context is None:
+            model_context = model_context or [model_context_length(model)]
+            context = model_context[0]
+        problem = None if context is None else context_shortfall(context, longest_prompt, max_new_tokens)
+        if problem:
+            raise ConfigError(
+                f"{config.name}: {problem}, and SGLang refuses longer requests. Lower --max-new-tokens, use a "
+                "model with a longer context (Qwen2.5-Coder-0.5B-Instruct: 32768), or give "
+                "--server-arg=--context-length=N (beyond the model's own, SGLang also wants "
+                "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the environment)"
+            )

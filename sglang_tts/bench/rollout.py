@@ -52,6 +52,7 @@ from sglang_tts.bench.configs import (
     BenchConfig,
     ConfigError,
     build_configs,
+    check_context,
     kinds_needed,
     parse_config_name,
     parse_drafter_args,
@@ -74,7 +75,7 @@ from sglang_tts.bench.runner import (
     get_json,
     record_from_response,
 )
-from sglang_tts.bench.server import context_length_arg, context_shortfall, model_context_length, waves_kv_tokens
+from sglang_tts.bench.server import waves_kv_tokens
 from sglang_tts.bench.workload import BenchPrompt, chat_prompts, prompt_token_counts, sample_prompts
 from sglang_tts.data.prompts import Prompt, PromptSourceError
 
@@ -1524,21 +1525,6 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
         server_info=server_info,
         progress=not args.quiet,
     )
-
-
-def check_context(configs: Sequence[BenchConfig], model: str, longest_prompt: int, max_new_tokens: int) -> None:
-    """Refuse up front a plan whose longest prompt and whole answer do not fit a server's context."""
-    model_context: list[int | None] = []  # read once, when a configuration does not set its own
-    for config in configs:
-        context = context_length_arg(config.server_args)
-        if context is None:
-            model_context = model_context or [model_context_length(model)]
-            context = model_context[0]
-        problem = None if context is None else context_shortfall(context, longest_prompt, max_new_tokens)
-        if problem:
-            raise ConfigError(
-                f"{config.name}: {problem}; lower --max-new-tokens or give --server-arg=--context-length=N"
-            )
 
 
 def _drift_cache() -> Path:
