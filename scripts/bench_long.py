@@ -45,6 +45,7 @@ from sglang_tts.bench.configs import (  # noqa: E402
     ConfigError,
     build_configs,
     check_context,
+    external_config,
     kinds_needed,
     parse_config_name,
     parse_drafter_args,
@@ -63,7 +64,7 @@ from sglang_tts.bench.runner import (  # noqa: E402
     split_rounds,
     waves,
 )
-from sglang_tts.bench.server import waves_kv_tokens  # noqa: E402
+from sglang_tts.bench.server import cpu_launch, waves_kv_tokens  # noqa: E402
 from sglang_tts.bench.suite import (  # noqa: E402
     REQUESTS,
     BenchPlan,
@@ -188,37 +189,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _cpu_defaults(device: str) -> bool:
-    if device != "auto":
-        return device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def _external_config(args: argparse.Namespace, server_info: dict) -> BenchConfig:
     """The one configuration a --base-url run measures, named by --configs (checked against the server)."""
     speculative = server_info.get("speculative_algorithm") is not None
     names = args.configs or (["no-spec"] if not speculative else [])
     if len(names) != 1:
         raise ConfigError("--base-url measures one configuration: name it with --configs, e.g. eagle3:tts-s5")
-    spec = parse_config_name(names[0])
-    algorithm = server_info.get("speculative_algorithm")
-    if (spec.variant != "no-spec") != speculative or (spec.variant == "ngram") != (algorithm == "NGRAM"):
-        raise ConfigError(f"--configs {names[0]} does not match the server (speculative_algorithm={algorithm})")
-    kind = spec.kind or (args.drafter_kind[0] if args.drafter_kind and spec.needs_drafter else None)
-    if spec.needs_drafter and kind is None:
-        raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
-    name = {"no-spec": "no-spec", "ngram": spec.base_name}.get(spec.variant, f"{kind}:{spec.base_name}")
-    return BenchConfig(
-        name,
-        spec.variant,
-        kind,
-        server_info.get("speculative_draft_model_path"),
-        spec.stride,
-        spec.sync,
-        scope=spec.scope,
-    )
+    return external_config(names[0], server_info, args.drafter_kind[0] if args.drafter_kind else None)
 
 
 def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
@@ -314,7 +291,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
     if not args.base_url:
         lengths = dict(zip([p.id for p in prompts], prompt_token_counts(prompts, model)))
         check_context(configs, model, max(lengths.values(), default=0), sampling.max_new_tokens)
-        if _cpu_defaults(args.device):
+        if cpu_launch(args.device):
             # Enough KV cache for the largest wave, whole answers included: otherwise SGLang queues part of it
             # (CPU_DEFAULT_ARGS' pool holds one long request); a --server-arg=--max-total-tokens=N still wins.
             wave_lengths = [
@@ -336,7 +313,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         warmup_tokens=warmup,
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
-        cpu_defaults=_cpu_defaults(args.device),
+        cpu_defaults=cpu_launch(args.device),
         kv_tokens=kv_tokens,
         base_url=args.base_url.rstrip("/") if args.base_url else None,
         served_model=(server_info or {}).get("served_model_name"),

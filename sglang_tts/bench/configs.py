@@ -414,3 +414,19 @@ def check_context(configs: Sequence[BenchConfig], model: str, longest_prompt: in
                 "--server-arg=--context-length=N (beyond the model's own, SGLang also wants "
                 "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 in the environment)"
             )
+
+
+def external_config(name: str | None, server_info: Mapping[str, Any], kind: str | None) -> BenchConfig:
+    """The one configuration a --base-url run measures, named by --configs (checked against the server)."""
+    algorithm = server_info.get("speculative_algorithm")
+    if name is None and algorithm is not None:
+        raise ConfigError(f"--base-url: the server speculates ({algorithm}): name its configuration with --configs")
+    spec = parse_config_name(name or "no-spec")
+    if (spec.variant != "no-spec") != (algorithm is not None) or (spec.variant == "ngram") != (algorithm == "NGRAM"):
+        raise ConfigError(f"--configs {name} does not match the server (speculative_algorithm={algorithm})")
+    kind = spec.kind or (kind if spec.needs_drafter else None)
+    if spec.needs_drafter and kind is None:
+        raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
+    full = spec.base_name if not spec.needs_drafter else f"{kind}:{spec.base_name}"
+    draft = server_info.get("speculative_draft_model_path")
+    return BenchConfig(full, spec.variant, kind, draft, spec.stride, spec.sync, scope=spec.scope)

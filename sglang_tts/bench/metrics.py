@@ -168,7 +168,8 @@ class Summary:
         return asdict(self)
 
 
-def _sum_opt(values: Iterable[float | None]) -> float | None:
+def sum_opt(values: Iterable[float | None]) -> float | None:
+    """The sum of the values present; None when none is (no server reported the counter)."""
     present = [v for v in values if v is not None]
     return sum(present) if present else None
 
@@ -177,11 +178,11 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
     """Aggregate one configuration's records (already filtered to one dataset, or all of them)."""
     tokens = sum(r.completion_tokens for r in records)
     wall = sum(r.share_wall_s for r in records)
-    updates = _sum_opt(r.tts_num_updates for r in records)
-    skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
-    update_ms = _sum_opt(r.tts_update_ms for r in records)
+    updates = sum_opt(r.tts_num_updates for r in records)
+    skipped = sum_opt(r.tts_num_skipped_updates for r in records)
+    update_ms = sum_opt(r.tts_update_ms for r in records)
     clean = [r for r in records if long_and_clean(r)]
-    positions = _sum_opt(r.tts_prompt_positions for r in records)
+    positions = sum_opt(r.tts_prompt_positions for r in records)
     free = None
     if config.sync and update_ms is not None and wall - update_ms / 1000 > 0:
         free = tokens / (wall - update_ms / 1000)
@@ -211,7 +212,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         long_clean_requests=len(clean),
         accept_long_clean=pooled_accept(clean),
         prompt_positions=None if positions is None else int(positions),
-        prompt_ms=_sum_opt(r.tts_prompt_ms for r in records),
+        prompt_ms=sum_opt(r.tts_prompt_ms for r in records),
         ttft_mean_s=_mean([r.ttft_s for r in records if r.ttft_s is not None]),
     )
 

@@ -48,11 +48,11 @@ from tqdm import tqdm
 
 from sglang_tts.bench import smoke
 from sglang_tts.bench.configs import (
-    SCOPES,
     BenchConfig,
     ConfigError,
     build_configs,
     check_context,
+    external_config,
     kinds_needed,
     parse_config_name,
     parse_drafter_args,
@@ -61,7 +61,7 @@ from sglang_tts.bench.configs import (
     resolve_drafters,
     split_server_args,
 )
-from sglang_tts.bench.metrics import Bucket, bucket_accept, loops, pooled_accept
+from sglang_tts.bench.metrics import Bucket, bucket_accept, loops, pooled_accept, sum_opt
 from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.report import fmt, machine_info, pyplot, table, write_json
 from sglang_tts.bench.runner import (
@@ -75,7 +75,7 @@ from sglang_tts.bench.runner import (
     get_json,
     record_from_response,
 )
-from sglang_tts.bench.server import waves_kv_tokens
+from sglang_tts.bench.server import cpu_launch, waves_kv_tokens
 from sglang_tts.bench.workload import BenchPrompt, chat_prompts, prompt_token_counts, sample_prompts
 from sglang_tts.data.prompts import Prompt, PromptSourceError
 
@@ -297,11 +297,6 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _sum_opt(values: Iterable[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return sum(present) if present else None
-
-
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -328,10 +323,10 @@ class Counts:
 def count(samples: Sequence[Sample]) -> Counts:
     records = [s.record for s in samples]
     latencies = [r.wall_s for r in records]
-    updates = _sum_opt(r.tts_num_updates for r in records)
-    update_ms = _sum_opt(r.tts_update_ms for r in records)
-    skipped = _sum_opt(r.tts_num_skipped_updates for r in records)
-    verify = _sum_opt(r.spec_verify_ct for r in records)
+    updates = sum_opt(r.tts_num_updates for r in records)
+    update_ms = sum_opt(r.tts_update_ms for r in records)
+    skipped = sum_opt(r.tts_num_skipped_updates for r in records)
+    verify = sum_opt(r.spec_verify_ct for r in records)
     last = [r.distinct_ngrams[-1] for r in records if r.distinct_ngrams and r.distinct_ngrams[-1] is not None]
     return Counts(
         samples=len(records),
@@ -1321,47 +1316,15 @@ class RolloutArgs:
     quiet: bool = False
 
 
-def cpu_launch(device: str) -> bool:
-    if device != "auto":
-        return device == "cpu"
-    import torch
-
-    return not torch.cuda.is_available()
-
-
 def parse_names(names: Sequence[str], drift: bool) -> None:
     """Refuse a bad configuration name before anything is prepared; in drift mode refuse stock."""
     for name in names:
-        try:
-            spec = parse_config_name(name)
-        except ConfigError as error:
-            if "-group" in name and "group" not in SCOPES:
-                raise ConfigError(
-                    f"{error}\n(the group scope is not known to sglang_tts.bench.configs yet: "
-                    "name the configurations without it, e.g. --configs no-spec ngram stock tts-s5-request)"
-                ) from None
-            raise
+        spec = parse_config_name(name)
         if drift and spec.variant == "stock":
             raise ConfigError(
                 f"{name}: a stock EAGLE3/DFLASH server loads the target's checkpoint into its drafter too (EAGLE-3: "
                 "the scheduler dies; docs/rl.md); the stale drafter under drift is `frozen`"
             )
-
-
-def external_config(name: str | None, server_info: Mapping[str, Any], kind: str | None) -> BenchConfig:
-    """The one configuration a --base-url run measures, named by --configs (checked against the server)."""
-    algorithm = server_info.get("speculative_algorithm")
-    if name is None and algorithm is not None:
-        raise ConfigError(f"--base-url: the server speculates ({algorithm}): name its configuration with --configs")
-    spec = parse_config_name(name or NO_SPEC)
-    if (spec.variant != NO_SPEC) != (algorithm is not None) or (spec.variant == "ngram") != (algorithm == "NGRAM"):
-        raise ConfigError(f"--configs {name} does not match the server (speculative_algorithm={algorithm})")
-    kind = spec.kind or (kind if spec.needs_drafter else None)
-    if spec.needs_drafter and kind is None:
-        raise ConfigError("name the drafter kind of the running server: --configs KIND:NAME (e.g. eagle3:frozen)")
-    full = spec.base_name if not spec.needs_drafter else f"{kind}:{spec.base_name}"
-    draft = server_info.get("speculative_draft_model_path")
-    return BenchConfig(full, spec.variant, kind, draft, spec.stride, spec.sync, scope=spec.scope)
 
 
 def select_prompts(datasets: Sequence[str], total: int, seed: int) -> list[Prompt]:

@@ -139,6 +139,15 @@ def context_shortfall(context_len: int, longest_prompt: int, max_new_tokens: int
     )
 
 
+def cpu_launch(device: str) -> bool:
+    """Whether servers get the CPU launch flags: ``--device cpu``, or ``auto`` on a machine without CUDA."""
+    if device != "auto":
+        return device == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def cpu_default_args(kv_tokens: int | None = None) -> tuple[str, ...]:
     """CPU_DEFAULT_ARGS with a KV pool of `kv_tokens` when that is above CPU_KV_TOKENS (kv_pool_tokens of a
     benchmark's waves). The pool is always fixed: SGLang's own sizing reads the machine's free memory."""

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang_tts.bench import rollout
-from sglang_tts.bench.configs import SCOPES, BenchConfig, ConfigError, build_configs
+from sglang_tts.bench.configs import BenchConfig, ConfigError, build_configs
 from sglang_tts.bench.rollout import (
     DRIFT_CONFIGS,
     ROLLOUT_VARIANTS,
@@ -173,11 +173,7 @@ def test_names_are_checked_before_anything_is_prepared():
     with pytest.raises(ConfigError, match="the stale drafter under drift is `frozen`"):
         parse_names(["frozen", "stock"], drift=True)
     parse_names(["stock"], drift=False)
-    if "group" in SCOPES:  # the group scope has landed
-        parse_names(["tts-s5-group"], drift=False)
-    else:
-        with pytest.raises(ConfigError, match="group scope is not known"):
-            parse_names(["tts-s5-group"], drift=False)
+    parse_names(["tts-s5-group", "tts-s5-group+hybrid"], drift=False)
 
 
 def test_a_running_server_is_named_by_configs_and_checked():
