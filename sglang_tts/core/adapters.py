@@ -122,6 +122,13 @@ class SlotTable:
             self._members[group] = self._members.get(group, 0) + 1
         return slot
 
+    def join(self, rid: str, group: str) -> int | None:
+        """Give `rid` its group's slot if the group holds one; else nothing (no free slot is taken,
+        nothing is capped: a later acquire decides)."""
+        if rid in self.slot_of or group not in self._group_slot:
+            return self.slot_of.get(rid)
+        return self.acquire(rid, group)
+
     def release(self, rid: str) -> int | None:
         """Forget `rid`; returns its slot when that slot is now free (its group's last request left)."""
         self._capped.discard(rid)

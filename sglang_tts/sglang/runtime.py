@@ -296,13 +296,19 @@ class TTSRuntime:
 
     def bind_extend_batch(self, reqs) -> None:
         """Per-request adapters, before a prefill (extend) batch's draft forward: map its requests'
-        tokens afresh. They hold no slot yet (row 0: the base drafter); without this the table still
-        maps the last decode batch, and a new request that reuses a finished one's req_pool_idx
-        would draft its prompt with that request's adapter."""
+        tokens afresh. They hold no slot yet (row 0: the base drafter), except under group scope a
+        request whose group holds one: it joins it now, so the draft made at its prefill (its first
+        round's drafted tokens) already reads the group's adapter, as the update will assume. Without
+        this the table still maps the last decode batch, and a new request that reuses a finished
+        one's req_pool_idx would draft its prompt with that request's adapter."""
         self._round_interrupted()
         if self.slots is None:
             return
         with self.failures.absorb("adapter_map", [req.rid for req in reqs]):
+            if self.config.scope == "group":
+                for req in reqs:
+                    if not self.slots.known(req.rid):
+                        self.slots.join(req.rid, group_key(req, self.config.allow_weight_digest))
             self.serving_adapters.set_batch(reqs, self.slots)
 
     def bind_batch(self, reqs) -> None:

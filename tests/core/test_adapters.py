@@ -221,6 +221,10 @@ def test_a_group_shares_one_slot_freed_when_its_last_request_leaves():
     assert table.retain(["b"]) == [0]  # the group's last request left: the slot is free again
     assert table.num_groups() == 0 and table.acquire("c", "h") == 0
     assert table.known("c") and table.known("b") and not table.known("a2")
+    # join (at a prefill): the group's slot if it holds one, else nothing taken and nothing capped
+    assert table.join("c2", "h") == 0 and table.holders(0) == ["c", "c2"]
+    capped = table.num_capped
+    assert table.join("d", "new-group") is None and not table.known("d") and table.num_capped == capped
 
 
 def test_group_state_stays_bounded_by_the_running_requests():
