@@ -62,6 +62,7 @@ from sglang_tts.drafters.common import (
     split_heads,
     text_config,
 )
+from sglang_tts.drafters.wgrad import Linear
 
 DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
 # SpecForge DFlash recipe for block 16 (loss_decay_gamma: 7.0): w_k = exp(-(k - 1) / gamma).
@@ -172,10 +173,10 @@ class DFlashAttention(nn.Module):
         self.scale = cfg.head_dim**-0.5
         self.value_scale = cfg.value_scale
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=bias)
+        self.q_proj = Linear(h, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -248,7 +249,7 @@ class DFlashDrafter(nn.Module):
         self.mask_token_id = cfg.mask_token_id
         self.layers = nn.ModuleList(DFlashLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope)
         # Borrowed, frozen: buffers so no optimiser sees them; non-persistent so state_dict() is

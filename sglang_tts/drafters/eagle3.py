@@ -68,6 +68,7 @@ from sglang_tts.drafters.common import (
     masked_attention,
     split_heads,
 )
+from sglang_tts.drafters.wgrad import Linear
 
 EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM")
 # Old checkpoint names -> module names (llama_eagle3.py:LlamaForCausalLMEagle3.load_weights).
@@ -176,10 +177,10 @@ class Eagle3Attention(nn.Module):
         self.num_kv_heads = cfg.num_key_value_heads
         self.head_dim = cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.q_proj = nn.Linear(in_features, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.q_proj = Linear(in_features, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = Linear(in_features, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
 
     def forward(
         self,
@@ -256,11 +257,11 @@ class Eagle3Drafter(nn.Module):
             if cfg.fc_norm
             else None
         )
-        self.fc = nn.Linear(feature_width, h, bias=cfg.fc_bias)
+        self.fc = Linear(feature_width, h, bias=cfg.fc_bias)
         self.layers = nn.ModuleList(Eagle3Layer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.rotary = Rotary(cfg.rope)
-        self.lm_head = None if cfg.lm_head_from_target else nn.Linear(h, cfg.draft_vocab_size, bias=False)
+        self.lm_head = None if cfg.lm_head_from_target else Linear(h, cfg.draft_vocab_size, bias=False)
         # d2t: draft id -> target id offset; t2d: which target ids the draft vocabulary covers.
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
