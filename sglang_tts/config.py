@@ -42,6 +42,10 @@ class TTSConfig:
     # Score every Nth update only: a DFlash drafter's score reads the target's whole LM head (30 ms on
     # SmolLM2, 100 ms on Qwen2.5-0.5B on CPU, docs/update-cost.md); EAGLE-3's draft head is small.
     guard_interval: int = 1
+    # After the guard resets a unit, the unit trains at `guard_backoff` x its learning rate, compounding
+    # per reset, until the unit's life ends (a request's adapter: the request; the shared drafter: its
+    # scope): a drafter that made itself worse than base once would do it again at the same rate.
+    guard_backoff: float = 0.1
     # 3e-5..1e-4 helped in the small-scale check; 3e-4 and above hurt (notes/premise-test).
     lr: float = 1e-4
     # lambda of the KL(q_t || q) regulariser; 0 disables it (saves one no-grad drafter forward).
@@ -210,6 +214,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-guard-interval must be an integer >= 1, got {self.guard_interval!r}")
         if not (0.0 <= self.guard_margin < 1.0):
             raise TTSConfigError(f"--tts-guard-margin must be in [0, 1), got {self.guard_margin!r}")
+        if not (0.0 < self.guard_backoff <= 1.0):
+            raise TTSConfigError(f"--tts-guard-backoff must be in (0, 1], got {self.guard_backoff!r}")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 0:
             raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
         if self.hybrid_train not in ("all", "drafter"):

@@ -13,9 +13,12 @@ that cost online, from the rounds' own wall times, and picks the stride S:
 
 The budget is `--tts-update-budget F`, or by default ("auto") the drafter's measured gain: the
 do-no-harm guard (core/guard.py) scores the adapted drafter against the base drafter on every
-update's canvas, which gives g, the relative gain in expected tokens per round; spending at most
-g / (1 + g) of the time on updates keeps tokens/s at or above the frozen drafter's, (1 + g)(1 -
-share) >= 1, on whatever machine the server runs. A drafter needs updates before it can show a gain:
+update's canvas, which gives g, the relative gain in its drafts' acceptance (the budget takes a
+lower confidence bound of it, one standard error below: it spends on gains it has measured, not on
+noise), and so g_r = g (tau - 1) / tau in tokens per round (tau: tokens a round commits; the bonus
+token does not grow); spending at most g_r / (1 + g_r) of the time on updates keeps tokens/s at or
+above the frozen drafter's, (1 + g_r)(1 - share) >= 1, on whatever machine the server runs. A
+drafter needs updates before it can show a gain:
 for its first `guard_window` updates in a scope (the engine says when it has had them) the budget is
 `initial_budget` (10%); after that at least `min_budget` (2%), so that a drafter that gains nothing
 costs little but can still start gaining.
@@ -91,6 +94,7 @@ class StrideGovernor:
         self.cost_s = math.nan
         self.share = math.nan
         self.gain = math.nan
+        self.gain_bound = math.nan  # what the budget spends: a lower confidence bound of the gain
         self._fast = math.nan
         self._slow = math.nan
         self.num_updates = 0
@@ -146,13 +150,15 @@ class StrideGovernor:
         if not math.isnan(base):
             self.share = self.cost_s / (self.cost_s + self.stride * base) if self.cost_s + base > 0 else 0.0
 
-    def observe_gain(self, gain: float | None, settled: bool = True) -> None:
-        """The guard's pooled gain (core/guard.py); None keeps the last one. `settled`: the drafter has
-        had its warm-up updates in this scope (before that the gain is not yet the drafter's to show,
-        and the budget stays at `initial_budget`)."""
+    def observe_gain(self, gain: float | None, settled: bool = True, bound: float | None = None) -> None:
+        """The guard's pooled gain (core/guard.py) and its lower confidence bound, which the budget
+        spends (None: the gain itself); None keeps the last ones. `settled`: the drafter has had its
+        warm-up updates in this scope (before that the gain is not yet the drafter's to show, and the
+        budget stays at `initial_budget`)."""
         self.settled = settled
         if gain is not None and math.isfinite(gain):
             self.gain = gain
+            self.gain_bound = bound if bound is not None and math.isfinite(bound) else gain
 
     def observe_tokens(self, tokens_per_round: float) -> None:
         """Mean tokens a round committed (bonus included), for the acceptance trend."""
@@ -178,8 +184,19 @@ class StrideGovernor:
             return self.fixed_budget
         if math.isnan(self.gain) or not self.settled:
             return self.initial_budget
-        share_for_gain = self.gain / (1.0 + self.gain) if self.gain > 0 else 0.0
+        gain = self.round_gain
+        share_for_gain = gain / (1.0 + gain) if gain > 0 else 0.0
         return min(self.max_budget, max(self.min_budget, share_for_gain))
+
+    @property
+    def round_gain(self) -> float:
+        """The guard's gain (its lower bound) as a gain in tokens per round: g x (tau - 1) / tau, tau
+        the tokens a round commits (slow EMA). The guard measures the drafts' acceptance, and a round's bonus token does
+        not grow with it: at tau = 1.65 a +10% better drafter commits about +4% more tokens per round
+        (first order; a conservative reading, as a chain's later positions gain a little more)."""
+        tau = self._slow
+        drafted = 1.0 if math.isnan(tau) else max(0.0, tau - 1.0) / max(tau, 1.0)
+        return self.gain_bound * drafted
 
     @property
     def trend(self) -> float:

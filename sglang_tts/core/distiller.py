@@ -253,9 +253,13 @@ class Distiller:
         self.on_update_done: Callable[[UpdateResult], None] | None = None
         self._stepped = False  # the running update has taken an optimizer step (worker thread only)
         self._guard_tick = -1  # updates that reached the guard's scoring (worker thread only)
-        self.optimizer = self._make_optimizer()
         groups = getattr(self.trained_drafter, "isolation_groups", None)
         self._clip_groups = groups(self.train_names) if groups else [list(range(len(self.train_params)))]
+        # One optimizer param group per isolation group (per request with adapters): the guard's
+        # backoff scales one unit's learning rate (_strike).
+        self.optimizer = self._make_optimizer(groups=self._clip_groups)
+        self._group_of = {i: g for g, group in enumerate(self._clip_groups) for i in group}
+        self._strikes: dict[int, int] = {}  # unit -> guard resets in its life (its scope or request)
         self._rollback = _RollbackPoint(self.train_params)
         self._num_submitted = 0
         self._unpublished = False  # the trained copy holds weights the serving copy has not seen
@@ -422,6 +426,9 @@ class Distiller:
         self._guard_resets.clear()
         if self.guard is not None:
             self.guard.forget()
+        self._strikes.clear()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.config.lr
         self.barrier(force=True)
 
     def rebase(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -483,6 +490,7 @@ class Distiller:
             self._guard_resets.discard(unit)
             if self.guard is not None:
                 self.guard.forget(unit)
+            self._strike(unit, names, 0)
         index = {n: i for i, n in enumerate(self.train_names)}
         with torch.no_grad():
             for name in names:
@@ -760,11 +768,17 @@ class Distiller:
         return self._weights_cache[length]
 
     def _make_optimizer(
-        self, params: list[nn.Parameter] | None = None, lr: float | None = None
+        self,
+        params: list[nn.Parameter] | None = None,
+        lr: float | None = None,
+        groups: list[list[int]] | None = None,
     ) -> torch.optim.Optimizer:
-        """config.optimizer over `params` (default: every trained parameter) at `lr` (default config.lr)."""
+        """config.optimizer over `params` (default: every trained parameter) at `lr` (default config.lr);
+        `groups`: indices into train_params, one param group each (instead of `params`)."""
         cfg = self.config
         params = self.train_params if params is None else params
+        if groups is not None:
+            params = [{"params": [self.train_params[i] for i in group]} for group in groups]
         lr = cfg.lr if lr is None else lr
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(params, lr=lr, weight_decay=cfg.weight_decay)
@@ -814,6 +828,8 @@ class Distiller:
                 self._guard_resets.update(verdict.reset_units)
                 gain = self.guard.gain()
                 stats.guard_gain = math.nan if gain is None else gain
+                bound = self.guard.gain_bound()
+                stats.guard_gain_bound = math.nan if bound is None else bound
         elif outcome.status == "skipped":
             stats.num_skipped_updates += 1
             logger.warning("TTS update %d skipped and rolled back: %s", outcome.update_index, outcome.reason)
@@ -826,23 +842,42 @@ class Distiller:
         """Reset the units the guard found worse than base (serving thread, nothing in flight)."""
         units, self._guard_resets = sorted(self._guard_resets), set()
         for unit in units:
+            strikes = self._strikes.get(unit, 0) + 1
             if unit == SCOPE_UNIT:
+                names = self.train_names
                 with torch.no_grad():
                     torch._foreach_copy_([p.detach() for p in self.train_params], self.base_weights)
                 self.optimizer.state.clear()
             elif self._unit_names is not None:
-                self.reset_parameters(self._unit_names(unit), unit=unit)
+                names = self._unit_names(unit)
+                self.reset_parameters(names, unit=unit)
             else:
                 continue
+            lr = self._strike(unit, names, strikes)
             self._unpublished = True
             self.stats.num_guard_resets += 1
             self.last_guard_resets.append(unit)
             what = "the shared drafter" if unit == SCOPE_UNIT else f"adapter slot {unit}"
             logger.warning(
-                "TTS do-no-harm guard: %s drafted worse than the base drafter over its last %d updates; reset to base",
+                "TTS do-no-harm guard: %s drafted worse than the base drafter over its last %d updates; "
+                "reset to base, learning rate now %.3g",
                 what,
                 self.guard.window if self.guard is not None else 0,
+                lr,
             )
+
+    def _strike(self, unit: int, names: list[str], strikes: int) -> float:
+        """Set `unit`'s guard resets so far (0: its life ended, or it never had one) and its learning
+        rate, config.lr x guard_backoff ** strikes, on the param groups of its parameters `names`."""
+        if strikes:
+            self._strikes[unit] = strikes
+        else:
+            self._strikes.pop(unit, None)
+        lr = self.config.lr * self.config.guard_backoff**strikes
+        index = {n: i for i, n in enumerate(self.train_names)}
+        for g in {self._group_of[index[n]] for n in names if n in index}:
+            self.optimizer.param_groups[g]["lr"] = lr
+        return lr
 
     def _absorb_prompt(self, outcome: UpdateOutcome, run_s: float) -> None:
         stats = self.stats

@@ -129,6 +129,22 @@ class DoNoHarmGuard:
         sum_b = sum(b for _, b in pairs)
         return (sum_a + 1.0) / (sum_b + 1.0) - 1.0
 
+    def gain_bound(self, z: float = 1.0) -> float | None:
+        """A lower confidence bound on gain(): the pooled paired differences' mean minus `z` standard
+        errors, relative to base's mean score (with gain()'s one match added), None below two scores.
+        What the update budget spends on: a gain measured on a handful of scores swings from -0.7 to
+        +2.0 from one update to the next (Qwen testbed, one request), and a budget that follows
+        it pays for noise."""
+        pairs = [s for scores in self._scores.values() for s in scores]
+        n = len(pairs)
+        if n < 2:
+            return None
+        diffs = [a - b for a, b in pairs]
+        mean_d = sum(diffs) / n
+        var = sum((d - mean_d) ** 2 for d in diffs) / (n - 1)
+        mean_b = (sum(b for _, b in pairs) + 1.0) / n
+        return (mean_d - z * math.sqrt(var / n)) / mean_b
+
     @property
     def num_units(self) -> int:
         return len(self._scores)

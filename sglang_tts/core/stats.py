@@ -17,6 +17,7 @@ class DistillerStats:
     num_failed_publishes: int = 0  # publishes that failed part-way (the old weights were written back)
     num_guard_resets: int = 0  # units the do-no-harm guard reset to base (core/guard.py)
     guard_gain: float = math.nan  # the guard's pooled gain of the adapted drafter over base (last measured)
+    guard_gain_bound: float = math.nan  # its lower confidence bound (one standard error): what the budget spends
     weight_version: int = 0  # bumped each time new weights are published to the serving copy
     update_ms_total: float = 0.0
     update_ms_last: float = 0.0

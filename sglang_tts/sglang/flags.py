@@ -93,6 +93,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-guard-window": ("guard_window", {"type": _positive_int, "help": "Updates the guard compares over."}),
     "--tts-guard-interval": ("guard_interval", {"type": _positive_int, "help": "Score every Nth update only."}),
     "--tts-guard-margin": ("guard_margin", {"type": float, "help": "Relative shortfall that resets (e.g. 0.02)."}),
+    "--tts-guard-backoff": (
+        "guard_backoff",
+        {"type": float, "help": "After a guard reset the unit's learning rate is multiplied by this (1: unchanged)."},
+    ),
     "--tts-lr": ("lr", {"type": float, "help": "Learning rate of the online update."}),
     "--tts-reg-lambda": ("reg_lambda", {"type": float, "help": "Weight of KL(q_t || q) (matters when K > 1)."}),
     "--tts-steps-per-update": ("steps_per_update", {"type": _positive_int, "help": "Optimizer steps per update."}),

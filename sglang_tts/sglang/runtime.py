@@ -209,7 +209,11 @@ class TTSRuntime:
         self.governor.update_done(timing.run_s, timing.wait_blocked_s)
         stats = self.distiller.stats
         settled = stats.scope_updates >= self.config.guard_window
-        self.governor.observe_gain(None if math.isnan(stats.guard_gain) else stats.guard_gain, settled)
+        self.governor.observe_gain(
+            None if math.isnan(stats.guard_gain) else stats.guard_gain,
+            settled,
+            None if math.isnan(stats.guard_gain_bound) else stats.guard_gain_bound,
+        )
         self._stride_due = True
         if self.config.log_interval and self.governor.num_updates % 10 == 0:
             logger.info("TTS update budget: %s", self.governor.state())

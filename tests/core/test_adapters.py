@@ -185,6 +185,32 @@ def test_releasing_a_slot_restores_it_bitwise_and_drops_its_optimiser_state(gene
     assert torch.equal(distiller.serving_drafter.canvas_logits(probe), drafter.base.canvas_logits(probe))
 
 
+def test_a_guard_reset_backs_off_only_that_slots_rate_until_the_slot_is_freed(generator):
+    drafter = _adapted(Spec(4), num_slots=2)
+    distiller = Distiller(drafter, _config(guard_backoff=0.1), executor=SyncExecutor())
+    teacher = TinyTeacher(seed=11)
+    distiller.observe(_teacher_canvas([teacher, teacher], generator, [0, 1]))
+    distiller.barrier()
+
+    def rates() -> dict[int, float]:
+        names = distiller.train_names
+        return {
+            slot: distiller.optimizer.param_groups[distiller._group_of[names.index(n)]]["lr"]
+            for slot in (0, 1)
+            for n in drafter.slot_parameter_names(slot)
+        }
+
+    assert len(distiller.optimizer.param_groups) == 2 and rates() == {0: 3e-2, 1: 3e-2}
+    for strikes in (1, 2):
+        distiller._guard_resets = {1}
+        distiller.barrier()
+        assert distiller.last_guard_resets == [1]
+        assert rates() == pytest.approx({0: 3e-2, 1: 3e-2 * 0.1**strikes})
+    # The request left: its slot is freed (as the runtime does) and the next request trains at the full rate.
+    distiller.reset_parameters(drafter.slot_parameter_names(1), unit=1)
+    assert rates() == {0: 3e-2, 1: 3e-2}
+
+
 def test_slot_table_caps_counts_and_reuses_slots():
     table = SlotTable(2)
     assert table.acquire("a") == 0 and table.acquire("b") == 1

@@ -61,6 +61,13 @@ def test_auto_budget_follows_the_measured_gain():
     assert gov.budget == 0.1  # the drafter's first updates: not yet its gain to show
     gov.observe_gain(0.25)
     assert gov.budget == pytest.approx(0.2)  # g / (1 + g): (1 + g)(1 - share) >= 1
+    gov.observe_tokens(2.0)  # half of a round's tokens are drafts: +25% acceptance is +12.5% per round
+    assert gov.round_gain == pytest.approx(0.125)
+    assert gov.budget == pytest.approx(0.125 / 1.125)
+    gov.observe_tokens(1.0)  # (the slow EMA moves a little)
+    assert gov.budget < 0.125 / 1.125
+    gov.observe_gain(0.25, bound=-0.05)  # what the budget spends is the gain's lower bound
+    assert gov.gain == 0.25 and gov.budget == 0.02
     gov.observe_gain(-0.1)
     assert gov.budget == 0.02  # a drafter that does not gain updates rarely (the guard watches it)
     gov.observe_gain(None)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from core_testing import TinyDrafter, TinyTeacher, agreement
 
-from sglang_tts.config import TTSConfig
+from sglang_tts.config import TTSConfig, TTSConfigError
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import SyncExecutor
 from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
@@ -122,3 +122,39 @@ def test_guard_interval_scores_every_kth_update(generator):
     distiller._score = lambda *args: (scored.append(1), score(*args))
     _run(distiller, TinyTeacher(), generator, 9)
     assert distiller.stats.num_updates == 9 and len(scored) == 3
+
+
+def test_a_reset_unit_trains_at_a_backed_off_rate_until_its_life_ends(generator):
+    """After a guard reset the shared drafter trains at lr x guard_backoff per reset; a new scope
+    (reset()) gives it its learning rate back."""
+    distiller = Distiller(TinyDrafter(seed=1234), _config(lr=1e-1, guard_backoff=0.1), executor=SyncExecutor())
+    _run(distiller, TinyTeacher(), generator, 30)
+    resets = distiller.stats.num_guard_resets
+    assert resets >= 1
+    [group] = distiller.optimizer.param_groups
+    assert group["lr"] == pytest.approx(1e-1 * 0.1**resets)
+    distiller.reset()
+    assert group["lr"] == pytest.approx(1e-1)
+
+
+def test_backoff_one_keeps_the_rate_and_the_config_refuses_nonsense():
+    distiller = Distiller(TinyDrafter(), _config(guard_backoff=1.0), executor=SyncExecutor())
+    distiller._guard_resets = {SCOPE_UNIT}
+    distiller.barrier()
+    assert distiller.stats.num_guard_resets == 1
+    assert distiller.optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(TTSConfigError, match="--tts-guard-backoff"):
+            _config(guard_backoff=bad).validate()
+
+
+def test_the_gain_bound_is_below_the_gain_by_its_uncertainty():
+    guard = DoNoHarmGuard(window=64)
+    assert guard.gain_bound() is None
+    for a, b in [(1.0, 0.0), (0.0, 0.0)]:  # two scores: one match more than base, a gain of +100%...
+        guard.observe([SCOPE_UNIT], [a], [b])
+    assert guard.gain() == pytest.approx(1.0)
+    assert guard.gain_bound() <= 0.0  # ...that two scores do not establish
+    for i in range(60):  # a steady +1 match in 4 over 62 scores: the bound approaches the gain
+        guard.observe([SCOPE_UNIT], [1.0 if i % 4 else 0.0], [1.0 if i % 2 else 0.0])
+    assert 0.0 < guard.gain_bound() < guard.gain()
