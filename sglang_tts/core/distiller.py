@@ -258,6 +258,7 @@ class Distiller:
         # One optimizer param group per isolation group (per request with adapters): the guard's
         # backoff scales one unit's learning rate (_strike).
         self.optimizer = self._make_optimizer(groups=self._clip_groups)
+        self._index = {n: i for i, n in enumerate(self.train_names)}  # trained parameter name -> train_params index
         self._group_of = {i: g for g, group in enumerate(self._clip_groups) for i in group}
         self._strikes: dict[int, int] = {}  # unit -> guard resets in its life (its scope or request)
         self._rollback = _RollbackPoint(self.train_params)
@@ -491,10 +492,9 @@ class Distiller:
             if self.guard is not None:
                 self.guard.forget(unit)
             self._strike(unit, names, 0)
-        index = {n: i for i, n in enumerate(self.train_names)}
         with torch.no_grad():
             for name in names:
-                i = index[name]
+                i = self._index[name]
                 self.train_params[i].copy_(self.base_weights[i])
                 self.optimizer.state.pop(self.train_params[i], None)
         self._unpublished = True
@@ -874,8 +874,7 @@ class Distiller:
         else:
             self._strikes.pop(unit, None)
         lr = self.config.lr * self.config.guard_backoff**strikes
-        index = {n: i for i, n in enumerate(self.train_names)}
-        for g in {self._group_of[index[n]] for n in names if n in index}:
+        for g in {self._group_of[self._index[n]] for n in names if n in self._index}:
             self.optimizer.param_groups[g]["lr"] = lr
         return lr
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +54,15 @@ def greedy_scores(logits: torch.Tensor, teacher: torch.Tensor, mask: torch.Tenso
     """
     match = (logits.argmax(-1) == teacher.argmax(-1)) & mask
     return match.to(torch.float32).cumprod(dim=1).sum(dim=1)
+
+
+def _paired(scores: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """Paired (adapted, base) scores -> the differences' mean and standard error, and base's sum."""
+    n = len(scores)
+    diffs = [a - b for a, b in scores]
+    mean_d = sum(diffs) / n
+    var = sum((d - mean_d) ** 2 for d in diffs) / max(n - 1, 1)
+    return mean_d, math.sqrt(var / n), sum(b for _, b in scores)
 
 
 @dataclass
@@ -102,14 +111,10 @@ class DoNoHarmGuard:
         """Is the adapted drafter worse than base over the window: its mean score below (1 - margin)
         x base's, and the paired differences clearly negative (mean below -z standard errors)? One
         canvas holds a few positions of one round, so single scores are noisy: both must hold."""
-        n = len(scores)
-        diffs = [a - b for a, b in scores]
-        mean_d = sum(diffs) / n
-        mean_b = sum(b for _, b in scores) / n
-        if mean_d >= -self.margin * mean_b:
+        mean_d, se_d, sum_b = _paired(scores)
+        if mean_d >= -self.margin * sum_b / len(scores):
             return False
-        var = sum((d - mean_d) ** 2 for d in diffs) / max(n - 1, 1)
-        return mean_d < -self.z * math.sqrt(var / n)
+        return mean_d < -self.z * se_d
 
     def forget(self, unit: int | None = None) -> None:
         """A unit went back to base by other means (its scope ended, its slot was freed); None: all."""
@@ -136,14 +141,10 @@ class DoNoHarmGuard:
         +2.0 from one update to the next (Qwen testbed, one request), and a budget that follows
         it pays for noise."""
         pairs = [s for scores in self._scores.values() for s in scores]
-        n = len(pairs)
-        if n < 2:
+        if len(pairs) < 2:
             return None
-        diffs = [a - b for a, b in pairs]
-        mean_d = sum(diffs) / n
-        var = sum((d - mean_d) ** 2 for d in diffs) / (n - 1)
-        mean_b = (sum(b for _, b in pairs) + 1.0) / n
-        return (mean_d - z * math.sqrt(var / n)) / mean_b
+        mean_d, se_d, sum_b = _paired(pairs)
+        return (mean_d - z * se_d) / ((sum_b + 1.0) / len(pairs))
 
     @property
     def num_units(self) -> int:

@@ -85,11 +85,6 @@ class WeightGradBank:
         """Forget what was recorded (an update that stopped before its flush); the buffers stay."""
         self._pending.clear()
 
-    def release(self) -> None:
-        """Forget everything, the buffers too (the drafter's weights were replaced)."""
-        self._pending.clear()
-        self._buffers.clear()
-
 
 class _DeferredLinear(torch.autograd.Function):
     @staticmethod
