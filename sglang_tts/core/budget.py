@@ -59,6 +59,7 @@ class BudgetState:
     cost_ms: float  # serving time one update costs (EMA), nan before any update
     base_round_ms: float  # an untouched round's wall time at the last batch size, nan before one
     gain: float  # the guard's measured gain (nan: none yet)
+    gain_bound: float  # its lower confidence bound: what `auto` spends (nan: none yet)
     stride: int
     trend: float  # fast / slow EMA of tokens per round - 1
 
@@ -236,6 +237,7 @@ class StrideGovernor:
             cost_ms=self.cost_s * ms,
             base_round_ms=self.base_round_s * ms,
             gain=self.gain,
+            gain_bound=self.gain_bound,
             stride=self.stride,
             trend=self.trend,
         )
