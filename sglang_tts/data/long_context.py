@@ -138,6 +138,7 @@ class Manifest:
     tokenizer: str  # a model name, or "chars/3.5"
     seed: int
     files: tuple[StdlibFile, ...]
+    bins: tuple[tuple[int, int], ...] = BINS
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,7 +146,7 @@ class Manifest:
             "python": self.python,
             "tokenizer": self.tokenizer,
             "seed": self.seed,
-            "bins": [list(b) for b in BINS],
+            "bins": [list(b) for b in self.bins],
             "files": [asdict(f) for f in self.files],
         }
 
@@ -154,7 +155,8 @@ class Manifest:
         if data.get("format") != MANIFEST_FORMAT:
             raise ValueError(f"unknown long-context manifest format {data.get('format')!r}")
         files = tuple(StdlibFile(**entry) for entry in data["files"])
-        return cls(str(data["python"]), str(data["tokenizer"]), int(data["seed"]), files)
+        bins = tuple((int(low), int(high)) for low, high in data.get("bins", BINS))
+        return cls(str(data["python"]), str(data["tokenizer"]), int(data["seed"]), files, bins)
 
 
 @dataclass(frozen=True)
@@ -218,47 +220,62 @@ def _tokenizer_count(path: Path) -> Callable[[str], int]:
     return lambda text: len(tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def size_bin(tokens: int) -> int:
-    """Index of the ``BINS`` entry holding ``tokens``; -1 outside 1,000-6,000."""
-    return next((i for i, (low, high) in enumerate(BINS) if low <= tokens < high), -1)
+def size_bin(tokens: int, bins: Sequence[tuple[int, int]] = BINS) -> int:
+    """Index of the ``bins`` entry holding ``tokens``; -1 outside them (default: 1,000-6,000)."""
+    return next((i for i, (low, high) in enumerate(bins) if low <= tokens < high), -1)
 
 
 def is_candidate(relative: Path, text: str) -> bool:
     """A hand-written, current, non-test module: what the selection may choose from."""
     if relative.suffix != ".py" or any(part in SKIP_DIRS for part in relative.parts[:-1]):
         return False
-    if relative.parts[0].startswith("config-") or relative.stem.startswith("test_"):
+    if relative.parts[0].startswith("config-") or relative.stem.startswith(("test_", "_sysconfigdata")):
         return False
     if relative.parts[0].removesuffix(".py") in SKIP_MODULES:
         return False
     return not GENERATED.search(text[:2000])
 
 
-def select_files(root: Path, counter: TokenCounter, seed: int = DEFAULT_SEED) -> Manifest:
-    """Choose ``FILES_PER_BIN`` files per bin (see the module docstring) and assign their instructions."""
-    by_bin: dict[int, list[tuple[str, str, int]]] = {i: [] for i in range(len(BINS))}
+@dataclass(frozen=True)
+class Selection:
+    """How files are chosen: length bins, files per bin, the instructions that go round, files left out."""
+
+    bins: tuple[tuple[int, int], ...] = BINS
+    files_per_bin: int = FILES_PER_BIN
+    instructions: tuple[Instruction, ...] = INSTRUCTIONS
+    exclude: frozenset[str] = frozenset()  # paths under the stdlib root another selection already holds
+
+
+def select_files(
+    root: Path, counter: TokenCounter, seed: int = DEFAULT_SEED, selection: Selection = Selection()
+) -> Manifest:
+    """Choose ``files_per_bin`` files per bin (see the module docstring) and assign their instructions."""
+    bins, per_bin, instructions = selection.bins, selection.files_per_bin, selection.instructions
+    by_bin: dict[int, list[tuple[str, str, int]]] = {i: [] for i in range(len(bins))}
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
+        if relative.as_posix() in selection.exclude:
+            continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if not is_candidate(relative, text):
             continue
         tokens = counter.count(text)
-        if size_bin(tokens) >= 0:
-            by_bin[size_bin(tokens)].append((relative.as_posix(), file_sha256(path), tokens))
+        if size_bin(tokens, bins) >= 0:
+            by_bin[size_bin(tokens, bins)].append((relative.as_posix(), file_sha256(path), tokens))
     chosen: list[StdlibFile] = []
     per_package: dict[str, int] = {}
     for index, candidates in by_bin.items():
         picked = 0
         for rel, digest, tokens in sorted(candidates, key=lambda c: rank_key(seed, c[0])):
             package = rel.split("/")[0].removesuffix(".py")
-            if picked == FILES_PER_BIN or per_package.get(package, 0) >= MAX_PER_PACKAGE:
+            if picked == per_bin or per_package.get(package, 0) >= MAX_PER_PACKAGE:
                 continue
             per_package[package] = per_package.get(package, 0) + 1
-            chosen.append(StdlibFile(rel, digest, tokens, INSTRUCTIONS[picked % len(INSTRUCTIONS)].name))
+            chosen.append(StdlibFile(rel, digest, tokens, instructions[picked % len(instructions)].name))
             picked += 1
-        if picked < FILES_PER_BIN:
-            raise ValueError(f"only {picked} files of {BINS[index]} tokens under {root}; need {FILES_PER_BIN}")
-    return Manifest(python_version(), counter.name, seed, tuple(chosen))
+        if picked < per_bin:
+            raise ValueError(f"only {picked} files of {bins[index]} tokens under {root}; need {per_bin}")
+    return Manifest(python_version(), counter.name, seed, tuple(chosen), tuple(bins))
 
 
 def write_manifest(manifest: Manifest, path: Path = MANIFEST) -> Path:
@@ -284,9 +301,9 @@ def check_stdlib(manifest: Manifest, root: Path | None = None) -> StdlibCheck:
     return StdlibCheck(manifest.python, python_version(), tuple(missing), tuple(changed))
 
 
-def prompt_id(path: str) -> str:
+def prompt_id(path: str, dataset: str = DATASET) -> str:
     """``json/decoder.py`` -> ``long-context-json.decoder``."""
-    return f"{DATASET}-{path.removesuffix('.py').replace('/', '.')}"
+    return f"{dataset}-{path.removesuffix('.py').replace('/', '.')}"
 
 
 def render_prompt(path: str, text: str, instruction: Instruction) -> str:
@@ -296,26 +313,28 @@ def render_prompt(path: str, text: str, instruction: Instruction) -> str:
     )
 
 
-def long_context_prompts(manifest: Manifest | None = None, root: Path | None = None) -> list[Prompt]:
+def long_context_prompts(
+    manifest: Manifest | None = None, root: Path | None = None, dataset: str = DATASET
+) -> list[Prompt]:
     """One self-contained prompt per manifest file found under ``root``; differences are logged once."""
     manifest = manifest if manifest is not None else read_manifest()
     root = root if root is not None else stdlib_root()
     check = check_stdlib(manifest, root)
     if not check.ok:
-        logger.warning("long-context workload: %s", check.describe())
+        logger.warning("%s workload: %s", dataset, check.describe())
     prompts = []
     for entry in manifest.files:
         if entry.path in check.missing:
             continue
         text = (root / entry.path).read_text(encoding="utf-8", errors="replace")
         question = render_prompt(entry.path, text, _INSTRUCTIONS_BY_NAME[entry.instruction])
-        prompts.append(Prompt(prompt_id(entry.path), DATASET, question, None, self_contained=True))
+        prompts.append(Prompt(prompt_id(entry.path, dataset), dataset, question, None, self_contained=True))
     return prompts
 
 
-def bin_of_prompt(manifest: Manifest) -> Callable[[Prompt], str]:
+def bin_of_prompt(manifest: Manifest, dataset: str = DATASET) -> Callable[[Prompt], str]:
     """The split's group of a long-context prompt: its file's length bin."""
-    bins = {prompt_id(f.path): str(size_bin(f.tokens)) for f in manifest.files}
+    bins = {prompt_id(f.path, dataset): str(size_bin(f.tokens, manifest.bins)) for f in manifest.files}
     return lambda prompt: bins[prompt.id]
 
 

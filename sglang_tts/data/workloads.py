@@ -8,14 +8,17 @@ long-gen       ``files/long_gen.jsonl``: programs with tests and docs, multi-par
                derivations, long technical documents (answers meant to exceed 1,500 tokens)  category
 long-context   Python standard-library files of 1-6K tokens with an editing instruction     by size
                (:mod:`sglang_tts.data.long_context`)                                        bin
+long-rewrite   the largest standard-library files (4.5-16K tokens) rewritten whole: the     by size
+               at-length workload, answers of 4-16K tokens (:mod:`~.long_rewrite`)          bin
 =============  ===========================================================================  ======
 
 Source names (``load_prompts`` and ``scripts/bench_long.py --datasets`` take them):
 
 - ``reasoning``, ``long-gen``, ``long-context``: the held-out prompts (benchmarks only);
 - ``<workload>:held-in`` (drafter training may use them), ``<workload>:held-out``, ``<workload>:all``;
-- ``workloads:held-in`` / ``workloads:held-out``: the three workloads' parts together, interleaved
-  (``scripts/train_drafter.py --workloads`` trains on ``workloads:held-in``).
+- ``workloads:held-in`` / ``workloads:held-out``: the first three workloads' parts together, interleaved
+  (``scripts/train_drafter.py --workloads`` trains on ``workloads:held-in``). ``long-rewrite`` is not in
+  the mix: its answers are 4-16K tokens, a workload of its own for runs at length.
 
 Every prompt carries its workload's name as ``Prompt.dataset``, so benchmark reports are per workload. The
 split (:func:`sglang_tts.data.split.split_prompts`, seed ``SPLIT_SEED``) holds out ``HELD_OUT_FRACTION`` of
@@ -32,6 +35,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sglang_tts.assets import PathLike, resolve_cache_dir
+from sglang_tts.data import long_rewrite
 from sglang_tts.data.long_context import bin_of_prompt, long_context_prompts, read_manifest
 from sglang_tts.data.prompts import Prompt, PromptSourceError, SourceFamily, load_prompts, register_source_family
 from sglang_tts.data.split import Split, interleave, rank_key, split_prompts
@@ -78,14 +82,21 @@ def _build_long_context(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
     return long_context_prompts(manifest), bin_of_prompt(manifest)
 
 
+def _build_long_rewrite(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
+    manifest = long_rewrite.read_manifest()
+    return long_rewrite.long_rewrite_prompts(manifest), long_rewrite.grouping(manifest)
+
+
 WORKLOADS: dict[str, Workload] = {
     w.name: w
     for w in (
         Workload("reasoning", "MATH-500 subset, AIME 2024/2025, CHAMP: natural ends", _build_reasoning),
         Workload("long-gen", "long structured answers: programs, derivations, documents", _build_long_gen),
         Workload("long-context", "stdlib files of 1-6K tokens with an editing instruction", _build_long_context),
+        Workload("long-rewrite", "stdlib files of 4.5-16K tokens rewritten whole", _build_long_rewrite),
     )
 }
+MIXED = ("reasoning", "long-gen", "long-context")  # what workloads:held-in / held-out interleave
 
 
 def parse_source(key: str) -> tuple[str, str]:
@@ -122,7 +133,7 @@ def load_workload(key: str, cache_dir: PathLike | None = None) -> list[Prompt]:
     """The prompts a workload source name stands for (see the module docstring), in a fixed order."""
     name, part = parse_source(key)
     if name == MIX:
-        return interleave([load_workload(f"{workload}:{part}", cache_dir) for workload in WORKLOADS])
+        return interleave([load_workload(f"{workload}:{part}", cache_dir) for workload in MIXED])
     if part == "all":
         return list(_built(name, resolve_cache_dir(cache_dir))[0])
     split = workload_split(name, cache_dir)

@@ -17,14 +17,20 @@ import pytest
 from sglang_tts.bench.workload import chat_prompts, sample_prompts
 from sglang_tts.data import WORKLOADS, load_workload, workload_split
 from sglang_tts.data.long_context import read_manifest, size_bin
+from sglang_tts.data.long_rewrite import read_manifest as read_rewrite_manifest
 from sglang_tts.data.prompts import DEFAULT_INSTRUCTION, PromptSourceError, available_sources, load_prompts
-from sglang_tts.data.workloads import LONG_GEN_FILE, REASONING_SETS
+from sglang_tts.data.workloads import LONG_GEN_FILE, MIXED, REASONING_SETS
 
 # sha256 of the sorted held-out ids (first 16 hex digits): the split must never move by accident, because
 # drafters are trained on the held-in side. Change these only together with SPLIT_SEED / the prompt files,
 # and retrain the drafters.
-HELD_OUT_DIGESTS = {"reasoning": "1ead1843721cfd41", "long-gen": "10b09e71b6cd23bd", "long-context": "c952e1d5176e2ab6"}
-SIZES = {"reasoning": (479, 162), "long-gen": (40, 14), "long-context": (36, 12)}
+HELD_OUT_DIGESTS = {
+    "reasoning": "1ead1843721cfd41",
+    "long-gen": "10b09e71b6cd23bd",
+    "long-context": "c952e1d5176e2ab6",
+    "long-rewrite": "265188499394d7be",
+}
+SIZES = {"reasoning": (479, 162), "long-gen": (40, 14), "long-context": (36, 12), "long-rewrite": (24, 8)}
 
 
 def _digest(ids: list[str]) -> str:
@@ -71,16 +77,24 @@ def test_held_out_covers_every_group() -> None:
         for f in read_manifest().files
     }
     assert sorted(bins[p.id] for p in workload_split("long-context").held_out) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    rewrite = read_rewrite_manifest()
+    bins = {
+        f"long-rewrite-{f.path.removesuffix('.py').replace('/', '.')}": size_bin(f.tokens, rewrite.bins)
+        for f in rewrite.files
+    }
+    assert sorted(bins[p.id] for p in workload_split("long-rewrite").held_out) == [0, 0, 0, 0, 1, 1, 1, 1]
 
 
-def test_training_mix_is_every_held_in_part_interleaved() -> None:
+def test_training_mix_is_the_first_three_held_in_parts_interleaved() -> None:
+    # The mix the shipped drafters were trained on: long-rewrite (answers at length) stays out of it.
+    assert MIXED == ("reasoning", "long-gen", "long-context") and set(MIXED) < set(WORKLOADS)
     mix = load_prompts("workloads:held-in")
-    parts = {name: load_prompts(f"{name}:held-in") for name in WORKLOADS}
+    parts = {name: load_prompts(f"{name}:held-in") for name in MIXED}
     assert sorted(p.id for p in mix) == sorted(p.id for part in parts.values() for p in part)
-    assert [p.dataset for p in mix[:3]] == list(WORKLOADS)
+    assert [p.dataset for p in mix[:3]] == list(MIXED)
     held_out = {p.id for p in load_prompts("workloads:held-out")}
     assert not held_out & {p.id for p in mix}
-    assert len(held_out) == sum(out for _, out in SIZES.values())
+    assert len(held_out) == sum(SIZES[name][1] for name in MIXED)
 
 
 def test_names_and_errors() -> None:

@@ -1,0 +1,94 @@
+"""The long-rewrite workload: answers of 4-16K tokens, whole standard-library files rewritten (issue 43).
+
+The paper's regime is answers of many thousand tokens; the other workloads' answers end at 1-2K. An answer
+that rewrites a whole file runs as long as the file, and a file is text that does not loop, so the answer
+does not either. This workload takes the standard library's largest modules, 4,500-16,000 tokens, none of
+them in the long-context manifest (:mod:`sglang_tts.data.long_context`: no file of it reaches this one), and
+asks for the whole file back: with type hints and docstrings, ported to modern Python, or ported to Go (a
+translation, new text for a drafter, where the first two are close to copies of the prompt).
+
+Two length bins (``BINS``): files of 4.5-8K tokens for answers past 4,096 tokens, files of 8-16K tokens for
+answers past 8,192. The selection rules, the manifest format and the prompt text are the long-context
+workload's (:class:`~sglang_tts.data.long_context.Selection`); the manifest is ``files/long_rewrite.json``::
+
+    python -m sglang_tts.data.long_rewrite --write      # select the files again
+    python -m sglang_tts.data.long_rewrite --check      # compare the local stdlib with the manifest
+
+Nothing trains on it today (the shipped drafters were trained with ``--workloads``, the other three); it is
+split into held-in and held-out parts like the others all the same, so a drafter trained later can use the
+held-in part and benchmarks keep to the held-out one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from sglang_tts.data.long_context import (
+    DEFAULT_SEED,
+    INSTRUCTIONS,
+    Manifest,
+    Selection,
+    bin_of_prompt,
+    check_stdlib,
+    long_context_prompts,
+    select_files,
+    stdlib_root,
+    token_counter,
+    write_manifest,
+)
+from sglang_tts.data.long_context import read_manifest as read_long_context_manifest
+from sglang_tts.data.prompts import Prompt
+
+DATASET = "long-rewrite"
+MANIFEST = Path(__file__).resolve().parent / "files" / "long_rewrite.json"
+BINS: tuple[tuple[int, int], ...] = ((4500, 8000), (8000, 16001))
+FILES_PER_BIN = 16
+# The long-context instructions whose answer is the whole file again.
+WHOLE_FILE = ("type-hints", "modernize", "port-go")
+
+
+def selection() -> Selection:
+    """Two bins of ``FILES_PER_BIN`` files, the whole-file instructions in turn, no long-context file."""
+    instructions = tuple(i for i in INSTRUCTIONS if i.name in WHOLE_FILE)
+    taken = frozenset(f.path for f in read_long_context_manifest().files)
+    return Selection(BINS, FILES_PER_BIN, instructions, taken)
+
+
+def read_manifest(path: Path = MANIFEST) -> Manifest:
+    """The committed manifest (read once per process, like the long-context one)."""
+    return read_long_context_manifest(path)
+
+
+def long_rewrite_prompts(manifest: Manifest | None = None, root: Path | None = None) -> list[Prompt]:
+    """One self-contained prompt per manifest file found under ``root`` (ids ``long-rewrite-<module>``)."""
+    return long_context_prompts(manifest if manifest is not None else read_manifest(), root, DATASET)
+
+
+def grouping(manifest: Manifest) -> Callable[[Prompt], str]:
+    """The split's group of a prompt: its file's length bin."""
+    return bin_of_prompt(manifest, DATASET)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Write or check the long-rewrite workload's file manifest.")
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--write", action="store_true", help="select the files again and write the manifest")
+    action.add_argument("--check", action="store_true", help="compare this interpreter's stdlib with the manifest")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="selection seed (--write)")
+    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="manifest path")
+    args = parser.parse_args(argv)
+    if args.write:
+        counter = token_counter()
+        manifest = select_files(stdlib_root(), counter, args.seed, selection())
+        print(f"wrote {write_manifest(manifest, args.manifest)}: {len(manifest.files)} files, tokens by {counter.name}")
+        return 0
+    check = check_stdlib(read_manifest(args.manifest))
+    print(check.describe())
+    return 0 if check.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
