@@ -7,9 +7,10 @@ them in the long-context manifest (:mod:`sglang_tts.data.long_context`: no file 
 asks for the whole file back: with type hints and docstrings, ported to modern Python, or ported to Go (a
 translation, new text for a drafter, where the first two are close to copies of the prompt).
 
-Two length bins (``BINS``): files of 4.5-8K tokens for answers past 4,096 tokens, files of 8-16K tokens for
-answers past 8,192. The selection rules, the manifest format and the prompt text are the long-context
-workload's (:class:`~sglang_tts.data.long_context.Selection`); the manifest is ``files/long_rewrite.json``::
+Two length bins (``BINS``), two workloads: ``long-rewrite-4k`` (files of 4.5-8K tokens, answers past 4,096
+tokens) and ``long-rewrite-8k`` (files of 8-16K tokens, answers past 8,192), so a report's per-dataset tables
+are per length. The selection rules, the manifest format and the prompt text are the long-context workload's
+(:class:`~sglang_tts.data.long_context.Selection`); one manifest holds both bins, ``files/long_rewrite.json``::
 
     python -m sglang_tts.data.long_rewrite --write      # select the files again
     python -m sglang_tts.data.long_rewrite --check      # compare the local stdlib with the manifest
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from sglang_tts.data.long_context import (
@@ -31,10 +33,11 @@ from sglang_tts.data.long_context import (
     INSTRUCTIONS,
     Manifest,
     Selection,
-    bin_of_prompt,
     check_stdlib,
     long_context_prompts,
+    prompt_id,
     select_files,
+    size_bin,
     stdlib_root,
     token_counter,
     write_manifest,
@@ -42,7 +45,7 @@ from sglang_tts.data.long_context import (
 from sglang_tts.data.long_context import read_manifest as read_long_context_manifest
 from sglang_tts.data.prompts import Prompt
 
-DATASET = "long-rewrite"
+DATASETS = ("long-rewrite-4k", "long-rewrite-8k")  # one per bin
 MANIFEST = Path(__file__).resolve().parent / "files" / "long_rewrite.json"
 BINS: tuple[tuple[int, int], ...] = ((4500, 8000), (8000, 16001))
 FILES_PER_BIN = 16
@@ -62,14 +65,18 @@ def read_manifest(path: Path = MANIFEST) -> Manifest:
     return read_long_context_manifest(path)
 
 
-def long_rewrite_prompts(manifest: Manifest | None = None, root: Path | None = None) -> list[Prompt]:
-    """One self-contained prompt per manifest file found under ``root`` (ids ``long-rewrite-<module>``)."""
-    return long_context_prompts(manifest if manifest is not None else read_manifest(), root, DATASET)
+def long_rewrite_prompts(dataset: str, manifest: Manifest | None = None, root: Path | None = None) -> list[Prompt]:
+    """One self-contained prompt per file of ``dataset``'s bin found under ``root`` (ids ``<dataset>-<module>``)."""
+    manifest = manifest if manifest is not None else read_manifest()
+    index = DATASETS.index(dataset)
+    files = tuple(f for f in manifest.files if size_bin(f.tokens, manifest.bins) == index)
+    return long_context_prompts(replace(manifest, files=files), root, dataset)
 
 
-def grouping(manifest: Manifest) -> Callable[[Prompt], str]:
-    """The split's group of a prompt: its file's length bin."""
-    return bin_of_prompt(manifest, DATASET)
+def by_instruction(manifest: Manifest, dataset: str) -> Callable[[Prompt], str]:
+    """The split's group of a prompt: its instruction, so the held-out part has every kind of rewrite."""
+    instruction = {prompt_id(f.path, dataset): f.instruction for f in manifest.files}
+    return lambda prompt: instruction[prompt.id]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

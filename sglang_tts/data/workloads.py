@@ -8,8 +8,8 @@ long-gen       ``files/long_gen.jsonl``: programs with tests and docs, multi-par
                derivations, long technical documents (answers meant to exceed 1,500 tokens)  category
 long-context   Python standard-library files of 1-6K tokens with an editing instruction     by size
                (:mod:`sglang_tts.data.long_context`)                                        bin
-long-rewrite   the largest standard-library files (4.5-16K tokens) rewritten whole: the     by size
-               at-length workload, answers of 4-16K tokens (:mod:`~.long_rewrite`)          bin
+long-rewrite-  the largest standard-library files rewritten whole (:mod:`~.long_rewrite`):   by in-
+4k, -8k        files of 4.5-8K / 8-16K tokens, answers past 4,096 / 8,192 tokens             struction
 =============  ===========================================================================  ======
 
 Source names (``load_prompts`` and ``scripts/bench_long.py --datasets`` take them):
@@ -17,8 +17,8 @@ Source names (``load_prompts`` and ``scripts/bench_long.py --datasets`` take the
 - ``reasoning``, ``long-gen``, ``long-context``: the held-out prompts (benchmarks only);
 - ``<workload>:held-in`` (drafter training may use them), ``<workload>:held-out``, ``<workload>:all``;
 - ``workloads:held-in`` / ``workloads:held-out``: the first three workloads' parts together, interleaved
-  (``scripts/train_drafter.py --workloads`` trains on ``workloads:held-in``). ``long-rewrite`` is not in
-  the mix: its answers are 4-16K tokens, a workload of its own for runs at length.
+  (``scripts/train_drafter.py --workloads`` trains on ``workloads:held-in``). The long-rewrite
+  workloads are not in the mix: their answers run to 4-16K tokens, workloads of their own for runs at length.
 
 Every prompt carries its workload's name as ``Prompt.dataset``, so benchmark reports are per workload. The
 split (:func:`sglang_tts.data.split.split_prompts`, seed ``SPLIT_SEED``) holds out ``HELD_OUT_FRACTION`` of
@@ -82,9 +82,12 @@ def _build_long_context(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
     return long_context_prompts(manifest), bin_of_prompt(manifest)
 
 
-def _build_long_rewrite(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
-    manifest = long_rewrite.read_manifest()
-    return long_rewrite.long_rewrite_prompts(manifest), long_rewrite.grouping(manifest)
+def _long_rewrite_builder(dataset: str) -> Callable[[Path], tuple[list[Prompt], Grouping]]:
+    def build(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
+        manifest = long_rewrite.read_manifest()
+        return long_rewrite.long_rewrite_prompts(dataset, manifest), long_rewrite.by_instruction(manifest, dataset)
+
+    return build
 
 
 WORKLOADS: dict[str, Workload] = {
@@ -93,7 +96,12 @@ WORKLOADS: dict[str, Workload] = {
         Workload("reasoning", "MATH-500 subset, AIME 2024/2025, CHAMP: natural ends", _build_reasoning),
         Workload("long-gen", "long structured answers: programs, derivations, documents", _build_long_gen),
         Workload("long-context", "stdlib files of 1-6K tokens with an editing instruction", _build_long_context),
-        Workload("long-rewrite", "stdlib files of 4.5-16K tokens rewritten whole", _build_long_rewrite),
+        Workload(
+            "long-rewrite-4k", "stdlib files of 4.5-8K tokens rewritten whole", _long_rewrite_builder("long-rewrite-4k")
+        ),
+        Workload(
+            "long-rewrite-8k", "stdlib files of 8-16K tokens rewritten whole", _long_rewrite_builder("long-rewrite-8k")
+        ),
     )
 }
 MIXED = ("reasoning", "long-gen", "long-context")  # what workloads:held-in / held-out interleave

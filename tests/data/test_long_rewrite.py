@@ -19,10 +19,12 @@ def test_manifest_has_two_full_bins_of_whole_file_rewrites_disjoint_from_long_co
     assert len({f.path for f in manifest.files}) == 32
 
 
-def test_prompts_ask_for_the_whole_file_back() -> None:
-    prompts = long_rewrite.long_rewrite_prompts()
-    assert len(prompts) == 32 and {p.dataset for p in prompts} == {"long-rewrite"}
-    uuid = next(p for p in prompts if p.id == "long-rewrite-uuid")
+def test_prompts_ask_for_the_whole_file_back_one_workload_per_bin() -> None:
+    short, long = (long_rewrite.long_rewrite_prompts(name) for name in long_rewrite.DATASETS)
+    assert len(short) == len(long) == 16
+    assert {p.dataset for p in short} == {"long-rewrite-4k"} and {p.dataset for p in long} == {"long-rewrite-8k"}
+    prompts = short + long
+    uuid = next(p for p in prompts if p.id == "long-rewrite-4k-uuid")
     assert "Here is the file `uuid.py`" in uuid.question and "Return the whole rewritten file" in uuid.question
     assert all(p.self_contained for p in prompts)
 

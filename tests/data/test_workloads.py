@@ -28,9 +28,16 @@ HELD_OUT_DIGESTS = {
     "reasoning": "1ead1843721cfd41",
     "long-gen": "10b09e71b6cd23bd",
     "long-context": "c952e1d5176e2ab6",
-    "long-rewrite": "265188499394d7be",
+    "long-rewrite-4k": "057d5586916de5a8",
+    "long-rewrite-8k": "c13861135f632fa4",
 }
-SIZES = {"reasoning": (479, 162), "long-gen": (40, 14), "long-context": (36, 12), "long-rewrite": (24, 8)}
+SIZES = {
+    "reasoning": (479, 162),
+    "long-gen": (40, 14),
+    "long-context": (36, 12),
+    "long-rewrite-4k": (12, 4),
+    "long-rewrite-8k": (12, 4),
+}
 
 
 def _digest(ids: list[str]) -> str:
@@ -77,12 +84,11 @@ def test_held_out_covers_every_group() -> None:
         for f in read_manifest().files
     }
     assert sorted(bins[p.id] for p in workload_split("long-context").held_out) == [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
-    rewrite = read_rewrite_manifest()
-    bins = {
-        f"long-rewrite-{f.path.removesuffix('.py').replace('/', '.')}": size_bin(f.tokens, rewrite.bins)
-        for f in rewrite.files
-    }
-    assert sorted(bins[p.id] for p in workload_split("long-rewrite").held_out) == [0, 0, 0, 0, 1, 1, 1, 1]
+    rewrite = {f.path.removesuffix(".py").replace("/", "."): f for f in read_rewrite_manifest().files}
+    for name, (low, high) in (("long-rewrite-4k", (4500, 8000)), ("long-rewrite-8k", (8000, 16001))):
+        held_out = [rewrite[p.id.removeprefix(f"{name}-")] for p in workload_split(name).held_out]
+        assert all(low <= f.tokens < high for f in held_out)
+        assert sorted(f.instruction for f in held_out) == ["modernize", "port-go", "type-hints", "type-hints"]
 
 
 def test_training_mix_is_the_first_three_held_in_parts_interleaved() -> None:
