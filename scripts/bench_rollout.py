@@ -69,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--seed", type=int, default=0, help="seed of the prompt sample (and of generated drift)")
     data.add_argument("--steps", type=int, help="RL steps (default 3; smoke 2; with --drift: checkpoints + 1)")
     data.add_argument("--prompts-per-step", type=int, help="P: prompts per step (default 4; smoke 2)")
+    data.add_argument(
+        "--same-prompts",
+        action="store_true",
+        help="every step samples the same P prompts (step 0's): a change between steps is then the weights' alone",
+    )
     data.add_argument("--samples", type=int, help="n: samples per prompt (default 4; smoke 2)")
     data.add_argument("--max-new-tokens", type=int, help="tokens per sample at most (default 1024; smoke 48)")
     data.add_argument("--temperature", type=float, default=1.0)

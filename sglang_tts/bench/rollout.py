@@ -160,19 +160,27 @@ def weight_labels(drift: Sequence[str]) -> list[str]:
 
 
 def plan_steps(
-    prompts: Sequence[BenchPrompt], steps: int, per_step: int, drift: Sequence[str] | None = None
+    prompts: Sequence[BenchPrompt],
+    steps: int,
+    per_step: int,
+    drift: Sequence[str] | None = None,
+    same_prompts: bool = False,
 ) -> list[StepPlan]:
-    """``steps`` steps of ``per_step`` consecutive prompts each (different prompts every step). With ``drift``,
-    step 0 runs on the launch weights and step k on ``drift[k - 1]`` (steps past the last checkpoint stay on it)."""
+    """``steps`` steps of ``per_step`` consecutive prompts each (different prompts every step; with
+    ``same_prompts`` every step takes the first ``per_step``, so a change between steps is the weights',
+    not the prompts'). With ``drift``, step 0 runs on the launch weights and step k on ``drift[k - 1]``
+    (steps past the last checkpoint stay on it)."""
     if steps < 1 or per_step < 1:
         raise ConfigError(f"steps and prompts per step must be >= 1, got {steps} and {per_step}")
-    if len(prompts) < steps * per_step:
-        raise ConfigError(f"{steps} steps x {per_step} prompts need {steps * per_step} prompts, got {len(prompts)}")
+    needed = per_step if same_prompts else steps * per_step
+    if len(prompts) < needed:
+        raise ConfigError(f"{steps} steps x {per_step} prompts need {needed} prompts, got {len(prompts)}")
     drift = list(drift or [])
     labels = weight_labels(drift)
     out = []
     for k in range(steps):
-        chunk = tuple(prompts[k * per_step : (k + 1) * per_step])
+        first = 0 if same_prompts else k * per_step
+        chunk = tuple(prompts[first : first + per_step])
         if k == 0 or not drift:
             out.append(StepPlan(k, chunk))
         else:
@@ -1296,6 +1304,7 @@ class RolloutArgs:
     seed: int = 0
     steps: int | None = None
     prompts_per_step: int | None = None
+    same_prompts: bool = False  # every step samples the same prompts (step 0's)
     samples: int | None = None
     max_new_tokens: int | None = None
     temperature: float = 1.0
@@ -1414,16 +1423,17 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
             names, kinds, drafters, tts_lr=tts_lr, extra_server_args=extra, eagle3_shape=shape, variants=variants
         )
 
+    distinct = per_step if args.same_prompts else steps_n * per_step  # prompts the steps take
     if args.smoke and not args.datasets:
         chosen = list(SMOKE_PROMPTS)
-        if len(chosen) < steps_n * per_step:
+        if len(chosen) < distinct:
             raise ConfigError(f"--smoke has {len(chosen)} prompts: at most {len(chosen) // per_step} steps")
-        prompts = chat_prompts(chosen[: steps_n * per_step], model, instruction=None)
+        prompts = chat_prompts(chosen[:distinct], model, instruction=None)
         datasets = sorted({p.dataset for p in prompts})
     else:
         datasets = list(args.datasets or DEFAULT_DATASETS)
-        prompts = chat_prompts(select_prompts(datasets, steps_n * per_step, args.seed), model)
-    steps = plan_steps(prompts, steps_n, per_step, drift if drift_mode else None)
+        prompts = chat_prompts(select_prompts(datasets, distinct, args.seed), model)
+    steps = plan_steps(prompts, steps_n, per_step, drift if drift_mode else None, args.same_prompts)
 
     cpu = cpu_launch(args.device)
     kv_tokens = None
@@ -1434,6 +1444,7 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
         "seed": args.seed,
         "steps": steps_n,
         "prompts per step": per_step,
+        "same prompts every step": args.same_prompts,
         "samples per prompt": samples,
         "max_new_tokens": sampling.max_new_tokens,
         "temperature": sampling.temperature,
@@ -1446,7 +1457,8 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
         "smoke": args.smoke,
     }
     if not args.base_url:
-        lengths = prompt_token_counts(prompts, model)  # in step order: step k holds [k * P, (k + 1) * P)
+        # In step order: step k holds [k * P, (k + 1) * P) (with --same-prompts every step holds [0, P)).
+        lengths = prompt_token_counts([p for step in steps for p in step.prompts], model)
         check_context(configs, model, max(lengths), sampling.max_new_tokens)
         if cpu:
             # Every sample of a step in flight at once: the KV pool holds the largest step's P prompts n times

@@ -74,6 +74,12 @@ def test_steps_take_different_prompts_and_the_drift_weights_in_order():
     assert [s.weights for s in plan_steps(prompts, 3, 2, ["/c/only"])] == ["launch", "only", "only"]
     with pytest.raises(ConfigError, match="need 8 prompts, got 7"):
         plan_steps(prompts, 4, 2)
+    # --same-prompts: every step samples step 0's prompts, so what changes between steps is the weights.
+    same = plan_steps(prompts[:2], 3, 2, ["/c/step-1", "/c/step-2"], same_prompts=True)
+    assert [[p.id for p in s.prompts] for s in same] == [["p0", "p1"]] * 3
+    assert [s.weights for s in same] == ["launch", "step-1", "step-2"]
+    with pytest.raises(ConfigError, match="need 2 prompts, got 1"):
+        plan_steps(prompts[:1], 3, 2, same_prompts=True)
     # Two checkpoints with one folder name (e.g. .../step-1/actor, .../step-2/actor) get distinct labels.
     assert weight_labels(["/a/actor", "/b/actor", "/c/x"]) == ["1:actor", "2:actor", "x"]
 
