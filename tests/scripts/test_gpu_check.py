@@ -16,7 +16,7 @@ from scripts_testing import load_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
-GPU_ONLY = {"graph_replay_publish", "adapter_kernel_capture", "sync_free_round"}
+GPU_ONLY = {"graph_replay_publish", "adapter_kernel_capture", "sync_free_round", "sampled_verify_ops"}
 KERNELS = {"kernel_linear_kl", "kernel_gather_draft", "kernel_lowrank_delta"}
 
 
@@ -48,7 +48,13 @@ def test_cpu_run_passes_what_cpu_can_and_skips_the_rest(tmp_path):
         else:
             assert check["result"] == "pass", check
             assert check["detail"]
-    assert set(results) == GPU_ONLY | KERNELS | {"executor_barrier", "publish_all_or_nothing", "no_sglang_import"}
+    assert set(results) == GPU_ONLY | KERNELS | {
+        "executor_barrier",
+        "publish_all_or_nothing",
+        "update_at_scale",
+        "no_sglang_import",
+    }
+    assert report["scale"] == "tiny" and results["update_at_scale"]["detail"].startswith("tiny (rehearsal")
     if triton:
         assert all(results[k]["detail"].startswith("interpreted") for k in KERNELS)
     assert "check" in proc.stdout and "PASS" in proc.stdout and "SKIP" in proc.stdout
@@ -125,3 +131,79 @@ def test_side_stream_executor_pins_the_device_index(monkeypatch):
         assert _get_device_index(executor.device) == 3  # what set_device() in the worker needs
     finally:
         executor.close()
+
+
+# --- update_at_scale: the CPU rehearsal of the 8B-scale measurement ---------------------------
+
+
+@pytest.fixture(scope="module")
+def rehearsal(gpu_check):
+    [result] = gpu_check.run_checks("cpu", ["update_at_scale"], scale="tiny")
+    return result
+
+
+def test_the_rehearsal_measures_every_drafter_at_every_stride(gpu_check, rehearsal):
+    """The same code the GPU runs at 8B scale, at tiny sizes: every number the GPU run reports is there and
+    finite (their values on a shared CPU mean nothing), and the targets are not judged."""
+    import math
+
+    assert rehearsal.result == "pass", rehearsal.detail
+    metrics = rehearsal.metrics
+    spec = gpu_check.SCALES["tiny"]
+    assert metrics["scale"] == "tiny" and metrics["trained_dtype"] == "float32"
+    assert metrics["verify"]["layers"] >= 1 and metrics["verify"]["round_ms"] > 0
+    assert set(metrics["drafters"]) == {"eagle3-128", "eagle3-512", "dflash"}
+    for name, drafter in metrics["drafters"].items():
+        assert drafter["updates"] == 1 + spec.alone + len(spec.strides) * (spec.cycles + 1), name
+        assert drafter["update_ms"] > 0 and drafter["round_ms"] > 0 and drafter["trained_params"] > 0
+        assert set(drafter["strides"]) == {str(s) for s in spec.strides}
+        for stride in drafter["strides"].values():
+            assert all(math.isfinite(v) for v in stride.values()), stride
+        assert drafter["round_slowdown"] is None or math.isfinite(drafter["round_slowdown"])
+        assert "targets_met" not in drafter
+    # the 32K-like and the 128K-like draft vocabularies: the larger LM head trains more weights
+    assert metrics["drafters"]["eagle3-512"]["trained_params"] > metrics["drafters"]["eagle3-128"]["trained_params"]
+    table = gpu_check.format_scale_table(metrics)
+    assert "| eagle3-128 |" in table and "hidden S=5" in table and "round slowdown" in table
+    markdown = gpu_check.format_markdown("header", [rehearsal])
+    assert markdown.startswith("# gpu_check") and "| update_at_scale | pass |" in markdown and table in markdown
+    assert rehearsal.seconds < 30
+
+
+def test_a_failing_update_fails_the_scale_check(gpu_check, monkeypatch):
+    from sglang_tts.core.distiller import Distiller
+
+    def broken(self, canvas, fault):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(Distiller, "_train", broken)
+    [result] = gpu_check.run_checks("cpu", ["update_at_scale"], scale="tiny")
+    assert result.result == "fail" and "failed or skipped" in result.detail and "injected" in result.detail, result
+
+
+def test_the_8b_scale_skips_on_cpu_and_scales_are_checked(gpu_check):
+    [result] = gpu_check.run_checks("cpu", ["update_at_scale"], scale="8b")
+    assert result.result == "skip" and "--scale tiny" in result.detail
+    with pytest.raises(ValueError, match="unknown scale"):
+        gpu_check.run_checks("cpu", ["update_at_scale"], scale="70b")
+    eight = gpu_check.SCALES["8b"]
+    assert (eight.hidden, eight.intermediate, eight.heads, eight.kv_heads) == (4096, 14336, 32, 8)
+    assert eight.draft_vocabs == (32000, 128256) and eight.serving_dtype == torch.bfloat16
+    assert 15 < gpu_check._decode_gb(eight) < 17  # Llama-3.1-8B's weights in bf16: 16 GB per decode step
+
+
+def test_the_sampled_verify_check_runs_as_it_will_on_cuda(gpu_check, monkeypatch):
+    """sampled_verify_ops only runs on CUDA; here its body runs with the CPU as the "device" (no sync-debug mode
+    to arm), so that a lent GPU never meets a broken check."""
+    import contextlib
+
+    class PretendCuda(gpu_check.Context):
+        @property
+        def cuda(self) -> bool:
+            return True
+
+    monkeypatch.setattr(gpu_check, "sync_debug_error", contextlib.nullcontext)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(gpu_check, "SAMPLED_VERIFY_SHAPE", (32, 6, 500, 4))
+    detail = gpu_check.check_sampled_verify_ops(PretendCuda(torch.device("cpu")))
+    assert "32 of 32 rows equal to CPU" in detail, detail
