@@ -1,0 +1,267 @@
+"""The GPU serving run (scripts/gpu_serve/), rehearsed on CPU: so that a lent GPU is never spent on a broken script.
+
+One test runs `run.sh --cpu` as a GPU session runs `run.sh`: the repacked SGLang wheel (built here from the wheel
+scripts/setup_env.sh keeps) installed into a scratch folder; SGLang's serving modules imported from it under
+faked CUDA with the sgl_kernel / flash_mla stand-ins and both plugins (TTS registered, SGLang's internals checked,
+the gpu_serve plugin's routes run through SGLang's own bindings); then check.py's mechanics served on CPU: tiny
+models built on the spot, no speculation and TTS with EAGLE-3 and DFlash, greedy ids compared, sampled requests,
+meta_info / Prometheus / log read, the fallback ladder (a first attempt made to fail at launch), results files.
+What only a GPU shows (CUDA graphs, the overlap scheduler with TTS, the side stream, nvcc-compiled tree kernels)
+is not rehearsed; the rest is asserted here, and the helpers below are tested on made-up inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+from scripts_testing import REPO, load_script
+
+build = load_script("gpu_serve/build", "gpu_serve_build")
+check = load_script("gpu_serve/check", "gpu_serve_check")
+RUN = REPO / "scripts" / "gpu_serve" / "run.sh"
+STANDIN = REPO / "scripts" / "gpu_serve" / "standin"
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    """A wheelhouse holding SGLang repacked without its compiled parts (the dependency wheels need PyPI)."""
+    wheels = sorted((REPO / ".cache" / "wheels").glob(f"sglang-{build.SGLANG_VERSION}-*.whl"))
+    assert wheels, "scripts/setup_env.sh keeps SGLang's wheel in .cache/wheels; run it first"
+    kit = tmp_path_factory.mktemp("gpukit")
+    report = build.strip_sglang_wheel(wheels[0], kit / "whl" / build.STRIPPED_NAME, compresslevel=1)
+    assert report.dropped_compiled and all(name.endswith(".so") for name in report.dropped_compiled)
+    return kit
+
+
+@pytest.fixture(scope="module")
+def rehearsal(kit, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("out")
+    scratch = tmp_path_factory.mktemp("scratch")
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "GPU_SERVE_KIT": str(kit),
+        "GPU_SERVE_SITE": str(scratch / "site"),
+        "GPU_SERVE_WORK": str(scratch / "work"),
+        "GPU_SERVE_BUDGET_S": "500",
+        "PYTHON": sys.executable,
+    }
+    env.pop("TRITON_INTERPRET", None)
+    args = ["--greedy-tokens", "16", "--sampled-tokens", "6", "--rehearse-fallback"]
+    proc = subprocess.run(["bash", str(RUN), "--cpu", *args], env=env, capture_output=True, text=True, timeout=600)
+    return proc, out
+
+
+def test_the_run_passes_on_cpu_and_leaves_its_results(rehearsal) -> None:
+    proc, out = rehearsal
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["gpu_serve.json", "gpu_serve.md", "imports.json", "run.log", "server_logs.tar.gz"]
+    assert len(files) <= 8 and all(p.is_file() for p in out.iterdir())  # what the device tool brings back
+    assert "GPU serving check (cpu rehearsal): PASS" in (out / "gpu_serve.md").read_text()
+
+
+def test_sglang_imports_from_the_repacked_wheel_under_faked_cuda(rehearsal) -> None:
+    _, out = rehearsal
+    report = json.loads((out / "imports.json").read_text())
+    assert report["ok"], report["error"]
+    assert report["fake_cuda"] and report["is_cuda"]  # SGLang took its CUDA branches at import
+    assert report["sglang"].startswith("0.5.23 at ") and "/site/sglang" in report["sglang"]
+    assert report["sglang_compiled_files"] == 0  # no Rust extension was needed
+    assert report["sgl_kernel"] == "stand-in" and report["sgl_kernel_names_bound"]
+    assert report["tts_registered"] and report["compat_ok"] and report["cpu_layer_active"] is False
+    assert "sglang_tts_gpu_serve = sglang_tts_gpu_serve:register" in report["plugins"]
+    assert len(report["routed"]) == 5  # sampled verify, top-k and top-p renorm, Triton tree build and verify
+    assert report["routed_ops_ran"] == {
+        "top_k/top_p renorm": "ok",
+        "tree_speculative_sampling_target_only": "ok",
+        "verify_tree_greedy (Triton)": "ok",
+    }
+
+
+def test_tts_serves_as_no_speculation_does_and_reports_its_work(rehearsal) -> None:
+    _, out = rehearsal
+    report = json.loads((out / "gpu_serve.json").read_text())
+    assert report["ok"] and report["mode"] == "cpu rehearsal"
+    assert set(report["servers"]) == {"base", "eagle3", "dflash"}
+    assert all(v["passed"] for v in report["servers"].values())
+    served = {a["server"]: a for a in report["attempts"] if a["ok"]}
+    for drafter in ("eagle3", "dflash"):
+        attempt = served[drafter]
+        assert attempt["checks"] == {
+            "sampled_answered": True,
+            "no_tts_failures": True,
+            "updates_applied": True,
+            "fallback_checked": True,
+            "fallback_no_mismatch": True,
+            "greedy_identical": True,
+        }
+        assert [g["first_divergence"] for g in attempt["greedy"]] == [None, None, None]
+        assert attempt["metrics"]["updates_total"] > 0 and attempt["metrics"]["failures_total"] == 0
+        assert attempt["timing"]["update_ms"] > 0 and attempt["timing"]["client_ms_per_round"] > 0
+        assert len(attempt["sampled"]) == 3 and all(s["tokens"] == 6 for s in attempt["sampled"])
+    assert served["base"]["greedy"][0]["output_ids"] == served["eagle3"]["greedy"][0]["output_ids"]
+
+
+def test_a_failed_attempt_is_recorded_and_the_ladder_goes_on(rehearsal) -> None:
+    _, out = rehearsal
+    report = json.loads((out / "gpu_serve.json").read_text())
+    eagle3 = [a for a in report["attempts"] if a["server"] == "eagle3"]
+    assert [a["attempt"] for a in eagle3] == ["rehearsal", "a"]
+    assert not eagle3[0]["ok"] and not eagle3[0]["served"]
+    assert "--tts-update-stride: must be an integer >= 1" in eagle3[0]["reason"]  # the log's line, not a guess
+    assert report["servers"]["eagle3"]["first_attempt_ok"]  # the made-up failure does not count
+
+
+def test_the_import_check_fails_without_the_kernel_stand_ins(kit, tmp_path) -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": f"{STANDIN / 'plugins'}:{REPO}",
+        "SGLANG_TTS_CPU_SUPPORT": "0",
+        "SGLANG_UNIFIED_RADIX_TREE_CORE_BACKEND": "python",
+    }
+    script = REPO / "scripts" / "gpu_serve" / "imports.py"
+    cmd = [sys.executable, str(script), "--fake-cuda", "--json", str(tmp_path / "imports.json")]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    report = json.loads((tmp_path / "imports.json").read_text())
+    assert proc.returncode == 1 and not report["ok"]
+    assert "sgl_kernel" in report["error"]
+
+
+def test_strip_drops_compiled_parts_and_writes_a_consistent_record(tmp_path) -> None:
+    src = tmp_path / "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl"
+    with zipfile.ZipFile(src, "w") as z:
+        z.writestr("sglang/__init__.py", "__version__ = '0.5.23'\n")
+        z.writestr("sglang/srt/rust_extensions/_server.cpython-311-x86_64-linux-gnu.so", b"\0" * 100)
+        z.writestr("sglang/multimodal_gen/big.py", "x = 1\n")
+        z.writestr("sglang-0.5.23.dist-info/WHEEL", "Tag: cp311-cp311-manylinux_2_34_x86_64\n")
+        z.writestr("sglang-0.5.23.dist-info/RECORD", "stale\n")
+    dst = tmp_path / "out" / build.STRIPPED_NAME
+    report = build.strip_sglang_wheel(src, dst)
+    assert report.dropped_files == 2 and report.kept_files == 2
+    with zipfile.ZipFile(dst) as z:
+        names = z.namelist()
+        assert "sglang/__init__.py" in names and not any(n.endswith(".so") or "multimodal_gen" in n for n in names)
+        assert "Tag: py3-none-any" in z.read("sglang-0.5.23.dist-info/WHEEL").decode()
+        record = z.read("sglang-0.5.23.dist-info/RECORD").decode().splitlines()
+        hashed = {line.split(",")[0]: line.split(",")[1] for line in record}
+        assert hashed["sglang/__init__.py"] == build._record_hash(z.read("sglang/__init__.py"))
+        assert set(hashed) == set(names)
+
+
+def test_the_wheel_list_pins_one_version_of_each_and_prune_keeps_only_those(tmp_path) -> None:
+    wanted = build.read_wheel_list()
+    assert len(wanted) == 32 and all("==" in r for r in wanted)
+    assert len({build._normalise(r.split("==")[0]) for r in wanted}) == len(wanted)
+    whl = tmp_path / "whl"
+    whl.mkdir()
+    kept = "pydantic_core-2.50.5-cp312-cp312-manylinux_2_17_x86_64.whl"
+    stale = (
+        "pydantic_core-2.40.0-cp312-x.whl",
+        "sglang-0.5.23-cp311-cp311-manylinux_2_34_x86_64.whl",
+        "stray-1.0-py3-none-any.whl",
+    )
+    for name in (kept, build.STRIPPED_NAME, *stale):
+        (whl / name).write_bytes(b"")
+    assert sorted(build.prune(whl, wanted)) == sorted(stale)
+    assert sorted(p.name for p in whl.iterdir()) == sorted([kept, build.STRIPPED_NAME])
+    args = build.target_platform_args()
+    assert args[args.index("--python-version") + 1] == "3.12" and "manylinux2014_x86_64" in args
+
+
+def test_metrics_budget_and_divergence_helpers() -> None:
+    text = (
+        "# HELP sglang_tts:updates_total Drafter updates applied\n"
+        'sglang_tts:updates_total{model_name="m"} 7.0\n'
+        'sglang_tts:updates_total{model_name="n"} 2.0\n'
+        "sglang_tts:updates_totalx 100.0\n"
+        "sglang_tts:update_seconds_sum 0.5\n"
+    )
+    assert check.prometheus_sum(text, "sglang_tts:updates_total") == 9.0
+    assert check.prometheus_sum(text, "sglang_tts:update_seconds_sum") == 0.5
+    log = (
+        "x TTS update budget: BudgetState(budget=0.1, share=0.2, cost_ms=3.0, base_round_ms=10.0, gain=nan, "
+        "gain_bound=nan, stride=3, trend=0.0)\n"
+        "y TTS update budget: BudgetState(budget=0.1, share=0.2, cost_ms=2.0, base_round_ms=8.0, gain=nan, "
+        "gain_bound=nan, stride=3, trend=0.0)\n"
+    )
+    assert check.parse_budget(log)["cost_ms"] == 2.0 and check.parse_budget(log)["base_round_ms"] == 8.0
+    assert check.parse_budget("nothing") == {}
+    assert check.first_divergence([1, 2, 3], [1, 2, 3]) is None
+    assert check.first_divergence([1, 2, 3], [1, 5, 3]) == 1
+    assert check.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def test_timing_derives_the_hidden_share_and_the_round_in_flight() -> None:
+    result = check.AttemptResult("eagle3", "a", "as configured")
+    result.metrics = {"update_seconds_sum": 0.4, "update_seconds_count": 4, "barrier_wait_seconds_total": 0.02}
+    result.budget = {"base_round_ms": 10.0, "cost_ms": 20.0}
+    result.greedy = [{"spec_verify_ct": 50, "e2e_latency": 1.0}] * 3
+    t = check.timing(result)
+    assert t["update_ms"] == 100.0 and t["barrier_wait_ms_per_update"] == 5.0
+    assert t["hidden_share"] == 0.8  # 20 ms of the update's 100 ms showed in the rounds it overlapped
+    assert t["round_ms_update_in_flight"] == 12.5  # 100 ms of rounds: 8 rounds instead of 10
+    assert t["client_ms_per_round"] == 20.0
+
+
+def test_judge_fails_an_attempt_on_any_tts_check() -> None:
+    settings = check.Settings(cpu=True, out=Path("."), work=Path("."), deadline=0.0, sampled_tokens=8)
+    ok_meta = {"tts_failures": 0, "tts_num_updates": 3, "tts_fallback_checked": 9, "tts_fallback_mismatches": 0}
+
+    def attempt(**changes) -> check.AttemptResult:
+        result = check.AttemptResult("eagle3", "a", "as configured", served=True)
+        result.greedy = [{**ok_meta, **changes}] * 3
+        result.sampled = [{"tokens": 8, "finish_reason": {"type": "length"}, **ok_meta}] * 3
+        result.metrics = {"updates_total": 9.0, "failures_total": 0.0}
+        check.judge(result, settings)
+        return result
+
+    assert attempt().ok
+    bad = attempt(tts_fallback_mismatches=1)
+    assert not bad.ok and bad.reason == "failed: fallback_no_mismatch"
+    assert not attempt(tts_failures=2).ok
+    gpu = check.Settings(cpu=False, out=Path("."), work=Path("."), deadline=0.0, sampled_tokens=8)
+    result = check.AttemptResult("eagle3", "a", "as configured", served=True, greedy=[ok_meta], graphs_expected=True)
+    result.server_info = {"disable_cuda_graph": False}
+    check.judge(result, gpu)
+    assert result.checks["cuda_graphs_captured"] is False  # no capture line in the log
+
+
+def test_the_gpu_path_serves_every_server_at_once_and_compares_with_no_speculation(tmp_path, monkeypatch) -> None:
+    """check.py's GPU orchestration (a thread per server, verdicts, results) with the serving stubbed out."""
+    started: dict[str, float] = {}
+
+    def ladder(settings, models, server):
+        started[server] = time.monotonic()
+        time.sleep(0.5)  # every server is still serving when the last one starts
+        result = check.AttemptResult(server, "a", "as configured", ok=True, served=True)
+        ids = [1, 9, 3] if server == "dflash" else [1, 2, 3]
+        result.greedy = [{"prompt": p, "output_ids": ids} for p in check.PROMPTS]
+        return [result]
+
+    monkeypatch.setattr(check, "build_models", lambda work: {})
+    monkeypatch.setattr(check, "serve_ladder", ladder)
+    monkeypatch.setattr(check, "STAGGER_S", 0.0)
+    monkeypatch.setattr(check.signal, "signal", lambda *args: None)  # leave pytest's SIGTERM handler alone
+    out = tmp_path / "out"
+    assert check.main(["--out", str(out), "--work", str(tmp_path / "work"), "--budget-s", "60"]) == 1
+    assert max(started.values()) - min(started.values()) < 0.5
+    report = json.loads((out / "gpu_serve.json").read_text())
+    assert report["mode"] == "gpu" and not report["ok"]
+    assert report["servers"]["eagle3"]["passed"] and report["servers"]["base"]["passed"]
+    assert report["servers"]["dflash"] == {
+        "passed": False,
+        "attempt": None,
+        "first_attempt_ok": False,
+        "reasons": {"a": "greedy output differs from no speculation"},
+    }
+    dflash = next(a for a in report["attempts"] if a["server"] == "dflash")
+    assert [g["first_divergence"] for g in dflash["greedy"]] == [1, 1, 1]
+    assert "| dflash | False | None | False |" in (out / "gpu_serve.md").read_text()
