@@ -431,6 +431,10 @@ def serve_ladder(settings: Settings, models: dict[str, Path], server: str) -> li
         # same way on every rung (the sampling ops are the same).
         if last.ok or (last.served and all(v or k == "sampled_answered" for k, v in last.checks.items())):
             break
+        missing = [line for line in last.error_lines if "No module named" in line]
+        if missing and not last.served:  # a package the wheelhouse lacks: no rung brings it
+            last.reason += f" | ladder stopped, add the package to wheels.txt: {missing[-1]}"
+            break
     return results
 
 

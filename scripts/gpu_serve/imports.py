@@ -8,7 +8,9 @@ would, so SGLang takes its CUDA branches at import (the CPU rehearsal of the sam
 the faked device). Checked: SGLang takes its CUDA path; sgl_kernel is the stand-in (or a real one); both
 plugins load (TTS registered, SGLang's internals as sglang_tts.sglang.compat declares them for a GPU
 machine, the CPU layer off). Reported, not required: what the gpu_serve plugin routed, and whether each
-routed op runs through SGLang's own bindings (on CPU tensors under --fake-cuda, on the GPU otherwise).
+routed op runs through SGLang's own bindings (on CPU tensors under --fake-cuda, on the GPU otherwise); the
+installed distributions the imports used, and which of them are neither in the GPU image's list
+(image_packages.txt) nor in the wheelhouse (wheels.txt): on CPU, a package the GPU machine would lack.
 
     python3 scripts/gpu_serve/imports.py --json $OUT/imports.json           # run.sh does this
     .venv/bin/python scripts/gpu_serve/imports.py --fake-cuda               # needs the stand-ins on PYTHONPATH
@@ -51,6 +53,56 @@ SERVING_MODULES = (
     "sglang.srt.models.qwen3",
 )
 FAKE_DEVICE = "NVIDIA H200 (faked for imports)"
+HERE = Path(__file__).resolve().parent
+# Imported from the checkout or the stand-ins, not from an installed distribution.
+LOCAL_MODULES = {"sglang_tts", "sglang_tts_gpu_serve", "gpu_serve_missing", "sgl_kernel", "flash_mla"}
+
+
+def _names(path: Path) -> set[str]:
+    """Normalised project names of a requirements-style list (comments and pins dropped)."""
+    lines = (line.split("#", 1)[0].split("==", 1)[0].strip() for line in path.read_text().splitlines())
+    return {_normalise(line) for line in lines if line}
+
+
+def _normalise(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def imported_distributions() -> dict[str, str]:
+    """Installed distributions whose top-level modules this process imported (the standard library and the
+    checkout's own modules left out), with their versions."""
+    from importlib.metadata import packages_distributions, version
+
+    owners = packages_distributions()
+    found: dict[str, str] = {}
+    for top in {name.partition(".")[0] for name in list(sys.modules)}:
+        if top in sys.stdlib_module_names or top in LOCAL_MODULES or top.startswith("_"):
+            continue
+        for dist in owners.get(top, []):
+            try:
+                found[dist] = version(dist)
+            except Exception:  # a distribution without metadata
+                found[dist] = "?"
+    return dict(sorted(found.items()))
+
+
+# Imported here only because they are installed (each import site catches ImportError), or loaded as a plugin of
+# .venv's: absent on the GPU machine, and nothing there needs them.
+OPTIONAL = {
+    "mistral-common": "sglang/srt/entrypoints/openai/serving_chat.py: try/except ImportError",
+    "pycountry": "mistral_common's",
+    "pydantic-extra-types": "mistral_common's",
+    "watchfiles": "uvicorn/supervisors/__init__.py: try/except ImportError",
+    "zstandard": "httpx and urllib3: optional decoders (SGLang's own use is off by default)",
+    "smg-grpc-servicer": "an SGLang plugin installed in .venv, not on the GPU machine",
+}
+
+
+def not_on_gpu_machine(distributions: dict[str, str]) -> list[str]:
+    """Distributions in neither the GPU image's list (image_packages.txt) nor the wheelhouse (wheels.txt), nor
+    known to be optional (OPTIONAL)."""
+    there = _names(HERE / "image_packages.txt") | _names(HERE / "wheels.txt") | {"sglang"} | set(OPTIONAL)
+    return sorted(d for d in distributions if _normalise(d) not in there)
 
 
 def fake_cuda() -> None:
@@ -83,6 +135,8 @@ class ImportReport:
     compat_differences: list[str] = field(default_factory=list)
     routed: list[str] = field(default_factory=list)
     routed_ops_ran: dict[str, str] = field(default_factory=dict)  # op -> "ok" or the error
+    distributions: dict[str, str] = field(default_factory=dict)  # every installed distribution imported -> version
+    not_on_gpu_machine: list[str] = field(default_factory=list)  # of those, in neither the image nor the wheelhouse
     error: str = ""
     seconds: float = 0.0
 
@@ -207,6 +261,8 @@ def run(fake: bool) -> ImportReport:
         if "sglang_tts_gpu_serve" in sys.modules:
             report.routed = list(sys.modules["sglang_tts_gpu_serve"].ROUTED)
         report.routed_ops_ran = _run_routed_ops("cpu" if fake else "cuda")
+        report.distributions = imported_distributions()
+        report.not_on_gpu_machine = not_on_gpu_machine(report.distributions)
         if standin:
             report.sgl_kernel_names_bound = sorted(sys.modules["gpu_serve_missing"].BOUND)
         # The routed ops are reported, not required: a sampled-verify op that fails here fails the serving
@@ -231,7 +287,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(data, indent=1))
-    summary = {k: data[k] for k in ("ok", "device", "sglang", "is_cuda", "sgl_kernel", "tts_registered", "routed")}
+    keys = ("ok", "device", "sglang", "is_cuda", "sgl_kernel", "tts_registered", "routed", "not_on_gpu_machine")
+    summary = {k: data[k] for k in keys}
     print(json.dumps(summary, indent=1))
     print(f"imports: {len(report.modules)} modules, {len(report.sgl_kernel_names_bound)} sgl_kernel names bound, "
           f"routed ops {report.routed_ops_ran or 'none'}, {report.seconds} s")  # fmt: skip

@@ -25,6 +25,9 @@ BUDGET="${GPU_SERVE_BUDGET_S:-540}"
 export OUT="${OUT:-/tmp/gpu_serve_out}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/run.log") 2>&1
+TEE_PID=$!
+# On exit, let tee write the log's last lines before the device tool collects $OUT.
+trap 'status=$?; exec 1>&- 2>&-; wait "$TEE_PID" 2>/dev/null; exit "$status"' EXIT
 
 if [[ "$MODE" == gpu ]]; then PY="${PYTHON:-python3}"; else PY="${PYTHON:-$ROOT/.venv/bin/python}"; fi
 say() { printf '[run %4ds] %s\n' "$SECONDS" "$*"; }

@@ -4,8 +4,8 @@ One test runs `run.sh --cpu` as a GPU session runs `run.sh`: the repacked SGLang
 scripts/setup_env.sh keeps) installed into a scratch folder; SGLang's serving modules imported from it under
 faked CUDA with the sgl_kernel / flash_mla stand-ins and both plugins (TTS registered, SGLang's internals checked,
 the gpu_serve plugin's routes run through SGLang's own bindings); then check.py's mechanics served on CPU: tiny
-models built on the spot, no speculation and TTS with EAGLE-3 and DFlash, greedy ids compared, sampled requests,
-meta_info / Prometheus / log read, the fallback ladder (a first attempt made to fail at launch), results files.
+models built on the spot, no speculation and TTS with EAGLE-3 (DFlash by its flags), greedy ids compared, sampled
+requests, meta_info / Prometheus / log read, the fallback ladder (a first attempt made to fail at launch), results.
 What only a GPU shows (CUDA graphs, the overlap scheduler with TTS, the side stream, nvcc-compiled tree kernels)
 is not rehearsed; the rest is asserted here, and the helpers below are tested on made-up inputs.
 """
@@ -54,7 +54,9 @@ def rehearsal(kit, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]
         "PYTHON": sys.executable,
     }
     env.pop("TRITON_INTERPRET", None)
-    args = ["--greedy-tokens", "16", "--sampled-tokens", "6", "--rehearse-fallback"]
+    # EAGLE-3 only: DFlash's server differs by its flags alone (test_server_flags_per_server_and_rung), and every
+    # server costs this run half a minute of its two cores.
+    args = ["--greedy-tokens", "16", "--sampled-tokens", "6", "--drafters", "eagle3", "--rehearse-fallback"]
     proc = subprocess.run(["bash", str(RUN), "--cpu", *args], env=env, capture_output=True, text=True, timeout=600)
     return proc, out
 
@@ -79,6 +81,9 @@ def test_sglang_imports_from_the_repacked_wheel_under_faked_cuda(rehearsal) -> N
     assert report["tts_registered"] and report["compat_ok"] and report["cpu_layer_active"] is False
     assert "sglang_tts_gpu_serve = sglang_tts_gpu_serve:register" in report["plugins"]
     assert len(report["routed"]) == 5  # sampled verify, top-k and top-p renorm, Triton tree build and verify
+    # Every installed package the imports used is in the GPU image's list, the wheelhouse, or known optional.
+    assert "torch" in report["distributions"] and "fastapi" in report["distributions"]
+    assert report["not_on_gpu_machine"] == []
     assert report["routed_ops_ran"] == {
         "top_k/top_p renorm": "ok",
         "tree_speculative_sampling_target_only": "ok",
@@ -90,10 +95,10 @@ def test_tts_serves_as_no_speculation_does_and_reports_its_work(rehearsal) -> No
     _, out = rehearsal
     report = json.loads((out / "gpu_serve.json").read_text())
     assert report["ok"] and report["mode"] == "cpu rehearsal"
-    assert set(report["servers"]) == {"base", "eagle3", "dflash"}
+    assert set(report["servers"]) == {"base", "eagle3"}
     assert all(v["passed"] for v in report["servers"].values())
     served = {a["server"]: a for a in report["attempts"] if a["ok"]}
-    for drafter in ("eagle3", "dflash"):
+    for drafter in ("eagle3",):
         attempt = served[drafter]
         assert attempt["checks"] == {
             "sampled_answered": True,
@@ -265,3 +270,24 @@ def test_the_gpu_path_serves_every_server_at_once_and_compares_with_no_speculati
     dflash = next(a for a in report["attempts"] if a["server"] == "dflash")
     assert [g["first_divergence"] for g in dflash["greedy"]] == [1, 1, 1]
     assert "| dflash | False | None | False |" in (out / "gpu_serve.md").read_text()
+
+
+def test_server_flags_per_server_and_rung(tmp_path) -> None:
+    models = {"target": tmp_path / "target", "eagle3": tmp_path / "eagle3", "dflash": tmp_path / "dflash"}
+    gpu = check.Settings(cpu=False, out=tmp_path, work=tmp_path, deadline=0.0)
+    base = check.server_args(gpu, models, None, check.LADDER[0])
+    assert "--speculative-algorithm" not in base and "--disable-cuda-graph" not in base
+    assert base[base.index("--attention-backend") + 1] == "triton" and base[base.index("--dtype") + 1] == "float32"
+    assert base[base.index("--sampling-backend") + 1] == "pytorch"
+    assert base[base.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    eagle3 = check.server_args(gpu, models, "eagle3", check.LADDER[2])
+    assert eagle3[eagle3.index("--speculative-draft-model-path") + 1] == str(models["eagle3"])
+    assert eagle3[eagle3.index("--speculative-eagle-topk") + 1] == "1" and eagle3[-1] == "--disable-overlap-schedule"
+    dflash = check.server_args(gpu, models, "dflash", check.LADDER[3])
+    assert dflash[dflash.index("--speculative-algorithm") + 1] == "TTS" and "--speculative-num-steps" not in dflash
+    assert dflash[-2:] == ["--disable-overlap-schedule", "--disable-cuda-graph"]
+    assert [a.name for a in check.LADDER if a.name in check.RUNGS["dflash"]] == ["a", "c", "d"]
+    assert dict(check.LADDER[1].env) == {check.TREE_ENV: "triton"}
+    cpu = check.Settings(cpu=True, out=tmp_path, work=tmp_path, deadline=0.0)
+    on_cpu = check.server_args(cpu, models, "dflash", check.LADDER[0])
+    assert on_cpu[on_cpu.index("--device") + 1] == "cpu" and "--enable-metrics" in on_cpu
