@@ -74,6 +74,8 @@ SERVER_INFO_KEYS = ("disable_cuda_graph", "disable_overlap_schedule", "dtype", "
 TREE_ENV, SAMPLING_ENV = "SGLANG_TTS_GPU_TREE", "SGLANG_TTS_GPU_SAMPLING"  # read by the gpu_serve plugin
 STAGGER_S = 2.0  # between server starts on the GPU
 BUDGET_LINE = re.compile(r"TTS update budget: BudgetState\((.*)\)")
+# Why SGLang turned the overlap scheduler or CUDA graphs off, if it did; TTS's and gpu_serve's start-up lines.
+NOTE_LINE = re.compile(r"sglang-tts|overlap|graph is disabled|disable_cuda_graph", re.IGNORECASE)
 GRAPH_LINE = re.compile(r"captur\w* .*graph|graph .*captur", re.IGNORECASE)
 ERROR_LINE = re.compile(r"\b(traceback|error|exception)\b|not in the GPU serving stand-in", re.IGNORECASE)
 
@@ -138,7 +140,7 @@ class AttemptResult:
     timing: dict[str, float] = field(default_factory=dict)
     checks: dict[str, bool] = field(default_factory=dict)
     graph_lines: list[str] = field(default_factory=list)
-    tts_lines: list[str] = field(default_factory=list)  # the TTS worker's start-up lines, what gpu_serve routed
+    notes: list[str] = field(default_factory=list)  # log lines on TTS, gpu_serve's routes, overlap and graphs
     error_lines: list[str] = field(default_factory=list)
     log: str = ""
 
@@ -216,6 +218,11 @@ TTS_METRICS = (
     "sglang_tts:barrier_wait_seconds_total",
     "sglang_tts:update_cost_seconds",
 )
+
+
+def read_metrics(base_url: str) -> dict[str, float]:
+    text = get_text(base_url, "/metrics")
+    return {name.split(":", 1)[1]: prometheus_sum(text, name) for name in TTS_METRICS}
 
 
 def parse_budget(log: str) -> dict[str, float]:
@@ -309,6 +316,7 @@ def run_attempt(settings: Settings, models: dict[str, Path], server: str, attemp
             {"prompt": p, "output_ids": g["output_ids"], **summarise_meta(g)} for p, g in zip(PROMPTS, greedy)
         ]
         result.served = True
+        result.metrics = read_metrics(proc.base_url)  # kept should a sampled request bring the server down
         try:
             sampled = all_at_once(
                 lambda s: generate(proc.base_url, PROMPTS[1], settings.sampled_tokens, request_timeout, **s),
@@ -320,8 +328,7 @@ def run_attempt(settings: Settings, models: dict[str, Path], server: str, attemp
         except SERVING_ERRORS as exc:
             result.sampled_error = _reason(exc)
         if proc.healthy():
-            metrics = get_text(proc.base_url, "/metrics")
-            result.metrics = {name.split(":", 1)[1]: prometheus_sum(metrics, name) for name in TTS_METRICS}
+            result.metrics = read_metrics(proc.base_url)
         else:
             result.sampled_error += " | the server stopped answering /health"
     except SERVING_ERRORS as exc:
@@ -351,7 +358,7 @@ def _newest_log(logs: Path, since: float) -> Path | None:
 def read_log(result: AttemptResult, log: str) -> None:
     lines = log.splitlines()
     result.graph_lines = [line[-200:] for line in lines if GRAPH_LINE.search(line)][:6]
-    result.tts_lines = [line[-300:] for line in lines if "sglang-tts" in line or "sglang_tts" in line][:8]
+    result.notes = [line[-300:] for line in lines if NOTE_LINE.search(line) and "server_args=" not in line][:12]
     result.error_lines = [line[-300:] for line in lines if ERROR_LINE.search(line)][-6:]
     result.budget = parse_budget(log)
 
@@ -528,6 +535,9 @@ def markdown(report: Report, attempts: list[AttemptResult]) -> str:
                 f"updates {g.get('tts_num_updates')}, fallback {g.get('tts_fallback_checked')}/"
                 f"{g.get('tts_fallback_mismatches')}, divergence {g.get('first_divergence')}"
             )
+    lines += ["", "Log notes (TTS, gpu_serve's routes, overlap scheduler, CUDA graphs):", ""]
+    for a in attempts:
+        lines += [f"- {a.server}/{a.attempt}: `{note[-160:]}`" for note in a.notes[:5]]
     return "\n".join(lines) + "\n"
 
 
