@@ -358,7 +358,8 @@ def _newest_log(logs: Path, since: float) -> Path | None:
 def read_log(result: AttemptResult, log: str) -> None:
     lines = log.splitlines()
     result.graph_lines = [line[-200:] for line in lines if GRAPH_LINE.search(line)][:6]
-    result.notes = [line[-300:] for line in lines if NOTE_LINE.search(line) and "server_args=" not in line][:12]
+    logged = [line for line in lines if line.startswith("[") and "server_args=" not in line]  # SGLang's log lines
+    result.notes = [line[-300:] for line in logged if NOTE_LINE.search(line)][:12]
     result.error_lines = [line[-300:] for line in lines if ERROR_LINE.search(line)][-6:]
     result.budget = parse_budget(log)
 
