@@ -35,8 +35,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from sglang_tts.assets import PathLike, resolve_cache_dir
-from sglang_tts.data import long_rewrite
 from sglang_tts.data.long_context import bin_of_prompt, long_context_prompts, read_manifest
+from sglang_tts.data.long_rewrite import by_instruction, long_rewrite_prompts
+from sglang_tts.data.long_rewrite import read_manifest as read_rewrite_manifest
 from sglang_tts.data.prompts import Prompt, PromptSourceError, SourceFamily, load_prompts, register_source_family
 from sglang_tts.data.split import Split, interleave, rank_key, split_prompts
 
@@ -84,8 +85,8 @@ def _build_long_context(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
 
 def _long_rewrite_builder(dataset: str) -> Callable[[Path], tuple[list[Prompt], Grouping]]:
     def build(cache_dir: Path) -> tuple[list[Prompt], Grouping]:
-        manifest = long_rewrite.read_manifest()
-        return long_rewrite.long_rewrite_prompts(dataset, manifest), long_rewrite.by_instruction(manifest, dataset)
+        manifest = read_rewrite_manifest()
+        return long_rewrite_prompts(dataset, manifest), by_instruction(manifest, dataset)
 
     return build
 
