@@ -338,22 +338,29 @@ def bin_of_prompt(manifest: Manifest, dataset: str = DATASET) -> Callable[[Promp
     return lambda prompt: bins[prompt.id]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write or check the long-context workload's file manifest.")
+def manifest_cli(
+    argv: Sequence[str] | None, workload: str, manifest_path: Path, selection: Callable[[], Selection]
+) -> int:
+    """``--write`` (select the files again) or ``--check`` (compare this stdlib) for a workload's manifest."""
+    parser = argparse.ArgumentParser(description=f"Write or check the {workload} workload's file manifest.")
     action = parser.add_mutually_exclusive_group(required=True)
     action.add_argument("--write", action="store_true", help="select the files again and write the manifest")
     action.add_argument("--check", action="store_true", help="compare this interpreter's stdlib with the manifest")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="selection seed (--write)")
-    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="manifest path")
+    parser.add_argument("--manifest", type=Path, default=manifest_path, help="manifest path")
     args = parser.parse_args(argv)
     if args.write:
         counter = token_counter()
-        manifest = select_files(stdlib_root(), counter, args.seed)
+        manifest = select_files(stdlib_root(), counter, args.seed, selection())
         print(f"wrote {write_manifest(manifest, args.manifest)}: {len(manifest.files)} files, tokens by {counter.name}")
         return 0
     check = check_stdlib(read_manifest(args.manifest))
     print(check.describe())
     return 0 if check.ok else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return manifest_cli(argv, DATASET, MANIFEST, Selection)
 
 
 if __name__ == "__main__":

@@ -22,25 +22,19 @@ held-in part and benchmarks keep to the held-out one.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
 from sglang_tts.data.long_context import (
-    DEFAULT_SEED,
     INSTRUCTIONS,
     Manifest,
     Selection,
-    check_stdlib,
     long_context_prompts,
+    manifest_cli,
     prompt_id,
-    select_files,
     size_bin,
-    stdlib_root,
-    token_counter,
-    write_manifest,
 )
 from sglang_tts.data.long_context import read_manifest as read_long_context_manifest
 from sglang_tts.data.prompts import Prompt
@@ -80,21 +74,7 @@ def by_instruction(manifest: Manifest, dataset: str) -> Callable[[Prompt], str]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Write or check the long-rewrite workload's file manifest.")
-    action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--write", action="store_true", help="select the files again and write the manifest")
-    action.add_argument("--check", action="store_true", help="compare this interpreter's stdlib with the manifest")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="selection seed (--write)")
-    parser.add_argument("--manifest", type=Path, default=MANIFEST, help="manifest path")
-    args = parser.parse_args(argv)
-    if args.write:
-        counter = token_counter()
-        manifest = select_files(stdlib_root(), counter, args.seed, selection())
-        print(f"wrote {write_manifest(manifest, args.manifest)}: {len(manifest.files)} files, tokens by {counter.name}")
-        return 0
-    check = check_stdlib(read_manifest(args.manifest))
-    print(check.describe())
-    return 0 if check.ok else 1
+    return manifest_cli(argv, "long-rewrite", MANIFEST, selection)
 
 
 if __name__ == "__main__":
