@@ -43,10 +43,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))  # a bare checkout on the GPU machine: sglang_tts is not installed there
 
+from sglang_tts.bench.runner import _post_json  # noqa: E402
 from sglang_tts.bench.server import ServerStartError, cpu_default_args, start_server, stop_server  # noqa: E402
 
 PROMPTS = (
@@ -167,14 +170,6 @@ def build_models(work: Path) -> dict[str, Path]:
     }
 
 
-def post(base_url: str, path: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
-    req = urllib.request.Request(
-        base_url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
-
-
 def get_text(base_url: str, path: str, timeout: float = 30.0) -> str:
     with urllib.request.urlopen(base_url + path, timeout=timeout) as r:
         return r.read().decode()
@@ -188,8 +183,8 @@ def generate(base_url: str, prompt: str, max_new_tokens: int, timeout: float, **
         "custom_params": {"tts_return_accept_lengths": True},
         **sampling,
     }
-    return post(
-        base_url, "/generate", {"text": f"<|user|>{prompt}<|end|><|assistant|>", "sampling_params": params}, timeout
+    return _post_json(
+        base_url + "/generate", {"text": f"<|user|>{prompt}<|end|><|assistant|>", "sampling_params": params}, timeout
     )
 
 
@@ -201,11 +196,12 @@ def all_at_once(fn: Callable[[Any], dict[str, Any]], items: Sequence[Any]) -> li
 
 def prometheus_sum(text: str, name: str) -> float:
     """Sum of every sample of metric `name` (all label sets) in Prometheus text format."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and line[len(name) : len(name) + 1] in ("{", " "):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name
+    )
 
 
 TTS_METRICS = (
