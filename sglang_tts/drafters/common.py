@@ -239,15 +239,19 @@ def masked_attention(
 
     q: [B, H_q, T, D]; k, v: [B, H_kv, S, D]; visible: [B, T, S] bool. Returns [B, T, H_q * D].
     Every query row must see at least one key (callers always let a row see itself).
+
+    Grouped-query heads share their KV head by folding the group into the query rows (query head
+    h reads KV head h // G, as repeat_interleave would pair them) instead of repeating K and V
+    G times: an update's past K/V (the whole context, thousands of rows) is read, never copied.
     """
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.matmul(probs, v)  # [B, H_q, T, D]
+    b, h_q, t, d = q.shape
+    h_kv = k.shape[1]
+    groups = h_q // h_kv
+    q = q.reshape(b, h_kv, groups * t, d)  # [B, H_kv, G*T, D]
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*T, S]
+    scores = scores.view(b, h_kv, groups, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, h_kv, groups * t, -1)
+    out = torch.matmul(probs, v).view(b, h_q, t, d)  # [B, H_q, T, D]
     return out.transpose(1, 2).flatten(2)
 
 

@@ -100,3 +100,27 @@ def test_grouped_query_attention_uses_kv_head_of_its_group():
         scores = (q[0, head] @ k[0, kv].T) * 8**-0.5
         scores = scores.masked_fill(~visible[0], float("-inf"))
         torch.testing.assert_close(out[0, :, head], torch.softmax(scores, -1) @ v[0, kv])
+
+
+@pytest.mark.parametrize("heads", [(6, 2), (4, 4), (7, 1)])
+def test_grouped_query_attention_reads_the_shared_kv_without_repeating_it(heads):
+    # Values and gradients of the repeat_interleave formulation, with K/V an expanded view (as an
+    # update's stacked rounds pass one request's context): nothing writes into it, nothing copies it.
+    torch.manual_seed(1)
+    h_q, h_kv = heads
+    q = torch.randn(2, h_q, 3, 8, requires_grad=True)
+    k_one, v_one = torch.randn(1, h_kv, 7, 8), torch.randn(1, h_kv, 7, 8)
+    k, v = k_one.expand(2, -1, -1, -1).requires_grad_(), v_one.expand(2, -1, -1, -1).requires_grad_()
+    visible = torch.rand(2, 3, 7) < 0.6
+    visible[:, :, -1] = True
+    out = masked_attention(q, k, v, visible, 8**-0.5)
+    groups = h_q // h_kv
+    scores = q @ k.repeat_interleave(groups, 1).transpose(-1, -2) * 8**-0.5
+    probs = torch.softmax(scores.masked_fill(~visible[:, None], float("-inf")), -1)
+    expected = (probs @ v.repeat_interleave(groups, 1)).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(expected, (q, k, v), grad)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
