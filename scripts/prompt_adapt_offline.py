@@ -72,17 +72,6 @@ class Row:
     update_s: float
 
 
-def answers(model, prompts, max_new: int, cache: Path) -> dict[str, tuple[list[int], list[int]]]:
-    done = torch.load(cache) if cache.exists() else {}
-    for p in tqdm([p for p in prompts if p.id not in done], desc="target answers", unit="prompt"):
-        ids = torch.tensor([p.input_ids])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False)
-        done[p.id] = (list(p.input_ids), out[0, ids.shape[1] :].tolist())
-        torch.save(done, cache)
-    return done
-
-
 @torch.no_grad()
 def accepted_per_chain(
     drafter, prompt_len: int, ids, feats, top1, chain: int, eval_tokens: int, prompt_kv_from=None
@@ -126,7 +115,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from sglang_tts.training.target import load_target
+    from sglang_tts.training.target import cached_greedy_answers, load_target
 
     model_path = Path(resolve_model(args.model))
     model, _, target = load_target(model_path)
@@ -136,7 +125,7 @@ def main() -> None:
     cache = cache_root() / "prompt-offline"
     cache.mkdir(parents=True, exist_ok=True)
     tag = f"{args.model}-{'_'.join(args.datasets)}-{args.num_prompts}-{args.seed}-{args.answer_tokens}"
-    texts = answers(model, prompts, args.answer_tokens, cache / f"answers-{tag}.pt")
+    texts = cached_greedy_answers(model, prompts, args.answer_tokens, cache / f"answers-{tag}.pt")
 
     rows: list[Row] = []
     bar = tqdm(total=len(prompts) * len(args.settings), desc="prompt updates", unit="update")

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -268,3 +269,21 @@ def batch_indices(num_items: int, batch_size: int, step: int, seed: int) -> list
         perm = torch.randperm(num_items, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         out.append(int(perm[offset]))
     return out
+
+
+def cached_greedy_answers(
+    model: PreTrainedModel, prompts: Sequence[Any], max_new_tokens: int, cache: Path
+) -> dict[str, tuple[list[int], list[int]]]:
+    """The target's greedy answer to each prompt (objects with ``id`` and ``input_ids``, e.g. the
+    bench's chat prompts), generated once and cached in ``cache`` (``torch.save``; written after
+    each prompt, so a stop loses at most the answer being generated): id -> (prompt ids, answer ids)."""
+    done = torch.load(cache) if cache.exists() else {}
+    for p in tqdm([p for p in prompts if p.id not in done], desc="target answers", unit="prompt"):
+        ids = torch.tensor([p.input_ids])
+        with torch.no_grad():
+            out = model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
+            )
+        done[p.id] = (list(p.input_ids), out[0, ids.shape[1] :].tolist())
+        atomic_save(done, cache)
+    return done
