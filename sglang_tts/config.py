@@ -12,6 +12,7 @@ ADAPTER_SCOPES = ("request", "group")  # the scopes served by per-request / per-
 LossBackend = Literal["auto", "naive", "chunked", "triton"]
 PromptAdapt = Literal["off", "on", "only"]
 PROMPT_ADAPT_MODES = ("off", "on", "only")
+MAX_UPDATE_WINDOW = 64  # rounds one update may train on (canvases kept meanwhile: bounded)
 PROMPT_LR_FACTOR = 3.0  # default prompt_lr / the update's learning rate (see TTSConfig.prompt_lr)
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
@@ -28,6 +29,10 @@ class TTSConfig:
     # Set when --tts-update-stride is given: the stride stays where it is put. Otherwise the update
     # budget (core/budget.py) moves it within [min_stride, max_stride], starting at update_stride.
     stride_pinned: bool = False
+    # An update trains on the canvases of the last min(update_window, S) rounds of its stride, in one
+    # batch and one optimizer step (the earlier rounds' canvases are kept until then; their K/V are
+    # read once, at the update). 1: the latest round only (the paper, appendix C.1). EAGLE-3 only.
+    update_window: int = 1
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
     # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
     update_budget: float | None = None
@@ -208,6 +213,14 @@ class TTSConfig:
                 raise TTSConfigError(f"{flag} must be an integer >= 1, got {value!r}")
         if self.min_stride > self.max_stride:
             raise TTSConfigError(f"--tts-min-stride {self.min_stride} is above --tts-max-stride {self.max_stride}")
+        if (
+            not isinstance(self.update_window, int)
+            or isinstance(self.update_window, bool)
+            or not (1 <= self.update_window <= MAX_UPDATE_WINDOW)
+        ):
+            raise TTSConfigError(
+                f"--tts-update-window must be an integer in 1..{MAX_UPDATE_WINDOW}, got {self.update_window!r}"
+            )
         if not isinstance(self.guard_window, int) or isinstance(self.guard_window, bool) or self.guard_window < 1:
             raise TTSConfigError(f"--tts-guard-window must be an integer >= 1, got {self.guard_window!r}")
         if not isinstance(self.guard_interval, int) or isinstance(self.guard_interval, bool) or self.guard_interval < 1:

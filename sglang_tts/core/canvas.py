@@ -19,6 +19,7 @@ sglang_tts/drafters). Everything here is engine independent: plain tensors, no S
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -127,6 +128,79 @@ class Canvas:
             raise ValueError("valid must be a [B, C] bool tensor")
         if self.features.shape[0] != b:
             raise ValueError("features must have the batch dimension first")
+
+
+def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
+    """One batch of `latest` (an update round's canvas) and the canvases of earlier rounds of the
+    same stride window (`--tts-update-window`; EAGLE-3 layout, built without `past_kv`).
+
+    An earlier row reads the K/V of its request's row in `latest`, masked to what that row read in
+    its own round: the first `positions[:, 0] - 1` entries (EAGLE-3's canvas reads every drafter
+    K/V entry before its anchor's row, and a live request's draft KV entries are never rewritten,
+    so its prefix then is the prefix now). Rows of requests absent from `latest` (finished, or not
+    in this batch) are dropped. Shorter canvases are padded (invalid positions). New tensors
+    throughout: the result is the update's own.
+    """
+    row_of = {rid: i for i, rid in enumerate(latest.request_ids)}
+    parts: list[tuple[Canvas, list[int]]] = []
+    for canvas in earlier:
+        keep = [i for i, rid in enumerate(canvas.request_ids) if rid in row_of]
+        if keep:
+            parts.append((canvas, keep))
+    if not parts:
+        return latest
+    parts.append((latest, list(range(latest.batch_size))))
+    length = max(c.length for c, _ in parts)
+    device = latest.input_ids.device
+
+    def rows(c: Canvas, keep: list[int], t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, torch.tensor(keep, device=t.device)) if len(keep) != c.batch_size else t
+
+    def padded(c: Canvas, keep: list[int], t: torch.Tensor, fill) -> torch.Tensor:
+        t = rows(c, keep, t)
+        if t.shape[1] == length:
+            return t
+        pad = t.new_full((t.shape[0], length - t.shape[1], *t.shape[2:]), fill)
+        return torch.cat((t, pad), dim=1)
+
+    def positions(c: Canvas, keep: list[int]) -> torch.Tensor:
+        p = rows(c, keep, c.positions)
+        step = torch.arange(1, length - p.shape[1] + 1, device=p.device)
+        return torch.cat((p, p[:, -1:] + step), dim=1)  # RoPE positions keep increasing in padding
+
+    with torch.inference_mode(False), torch.no_grad():
+        past_kv = past_mask = None
+        if latest.past_kv is not None:
+            source = [row_of[c.request_ids[i]] for c, keep in parts[:-1] for i in keep]
+            index = torch.tensor(source + list(range(latest.batch_size)), device=device)
+            past_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in latest.past_kv]
+            span = latest.past_kv[0][0].shape[2]
+            mask = (
+                latest.past_mask
+                if latest.past_mask is not None
+                else torch.ones(latest.batch_size, span, dtype=torch.bool, device=device)
+            )
+            past_mask = mask.index_select(0, index)
+            own = torch.cat([rows(c, keep, c.positions)[:, 0] - 1 for c, keep in parts[:-1]])
+            n_earlier = own.shape[0]
+            past_mask[:n_earlier] &= torch.arange(span, device=device)[None] < own.to(device)[:, None]
+        stacked = Canvas(
+            input_ids=torch.cat([padded(c, k, c.input_ids, 0) for c, k in parts]),
+            positions=torch.cat([positions(c, k) for c, k in parts]),
+            target_logits=torch.cat([padded(c, k, c.target_logits, 0.0) for c, k in parts]),
+            valid=torch.cat([padded(c, k, c.valid, False) for c, k in parts]),
+            features=torch.cat([rows(c, k, c.features) for c, k in parts]),
+            past_kv=past_kv,
+            past_mask=past_mask,
+            num_accepted=None
+            if any(c.num_accepted is None for c, _ in parts)
+            else torch.cat([rows(c, k, c.num_accepted) for c, k in parts]),
+            request_ids=[c.request_ids[i] for c, keep in parts for i in keep],
+            slots=None if latest.slots is None else torch.cat([rows(c, k, c.slots) for c, k in parts]),
+            round_index=latest.round_index,
+        )
+    stacked.validate()
+    return stacked
 
 
 def _storage(cells: int, vocab: int, feature_shape: tuple[int, ...], device: torch.device) -> dict[str, torch.Tensor]:

@@ -80,7 +80,7 @@ import torch
 from torch import nn
 
 from sglang_tts.config import TTSConfig, TTSConfigError
-from sglang_tts.core.canvas import Canvas, CanvasBuffers
+from sglang_tts.core.canvas import Canvas, CanvasBuffers, stack_rounds
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
 from sglang_tts.core.loss import compute_loss, tts_loss
@@ -91,6 +91,10 @@ from sglang_tts.core.stats import DistillerStats
 from sglang_tts.drafters.wgrad import WeightGradBank, deferred_weight_grads
 
 logger = logging.getLogger(__name__)
+
+# Rows an update window keeps at most (--tts-update-window; Distiller._keep): earlier rounds beyond
+# it are dropped, oldest first, so the kept canvases stay bounded at any batch size.
+MAX_WINDOW_ROWS = 64
 
 #: What a fault injector may return for an update (tests and failure drills):
 #:   "nan"   the loss of the update's last step becomes NaN (caught before backward)
@@ -270,6 +274,9 @@ class Distiller:
         self._wgrad = WeightGradBank()  # gradient buffers of the deferred weight gradients (drafters/wgrad.py)
         self._canvas_buffers = CanvasBuffers(self.device)  # see capture_buffers()
         self._window_start = 0  # scope round at which the current stride's windows began
+        self._kept: list[Canvas] = []  # earlier rounds' canvases for the next update (update_window > 1)
+        self.last_submitted_rows: list[str] = []
+        self.last_submitted_slots: torch.Tensor | None = None
         # Which trained parameters prompt steps move (indices into train_params).
         self._prompt_params = self._select_prompt_params() if self.config.prompt_updates else []
 
@@ -287,6 +294,16 @@ class Distiller:
     def next_round_submits(self) -> bool:
         """Will the next observe() submit an update? Lets the engine build a canvas only then."""
         return self.config.verify_updates and (self._window_rounds + 1) % self.config.update_stride == 0
+
+    def next_round_keeps(self) -> bool:
+        """Will the next observe() keep its canvas for the coming update (--tts-update-window > 1)?
+        True for the rounds of a stride's last min(W, S) - 1 that do not submit: the engine builds
+        their canvases without K/V (the update reads them once, core/canvas.py: stack_rounds)."""
+        return self.config.verify_updates and self._keeps(self._window_rounds + 1)
+
+    def _keeps(self, window_round: int) -> bool:
+        stride = self.config.update_stride
+        return 0 < window_round % stride and window_round % stride > stride - min(self.config.update_window, stride)
 
     def capture_buffers(self) -> CanvasBuffers:
         """Where the engine builds the next update's canvas (preallocated, reused by every update).
@@ -308,6 +325,9 @@ class Distiller:
         self.stats.scope_rounds += 1
         if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
             logger.info("TTS %s", self.stats.snapshot())
+        if self.config.verify_updates and canvas is not None and self._keeps(self._window_rounds):
+            self._keep(canvas, owned)
+            return False
         if not self.config.verify_updates or self._window_rounds % self.config.update_stride != 0 or canvas is None:
             return False
         if self.executor.pending:  # the caller skipped barrier(): collect, but publish only in barrier()
@@ -319,11 +339,31 @@ class Distiller:
                 private = canvas.detach_clone()
                 if private.input_ids.device != self.device:
                     private = private.to(self.device)
+        if self._kept:
+            earlier = min(self.config.update_window, self.config.update_stride) - 1
+            private = stack_rounds(self._kept[len(self._kept) - earlier :] if earlier > 0 else [], private)
+            self._kept = []
         update_index, submitted_round = self._num_submitted, self.stats.rounds
         self._num_submitted += 1
+        self.stats.update_rows_total += private.batch_size
+        # What the engine credits (host list, and the rows' adapter slots): one entry per trained row.
+        self.last_submitted_rows, self.last_submitted_slots = list(private.request_ids), private.slots
         exact = self._needs_rollback_copy(self.config.steps_per_update)
         self.executor.submit(lambda: self._update(private, update_index, submitted_round, exact))
         return True
+
+    def _keep(self, canvas: Canvas, owned: bool) -> None:
+        """Hold an earlier round's canvas for the stride's update: at most update_window - 1 of them,
+        and at most MAX_WINDOW_ROWS rows in all (the oldest go first), so that what is kept (the
+        target's logits at C positions per row) is bounded whatever the batch size: one request keeps
+        up to 63 earlier rounds, a batch of 64 requests none."""
+        if not owned:
+            with torch.inference_mode(False), torch.no_grad():
+                canvas = canvas.detach_clone().to(self.device)
+        self._kept.append(canvas)
+        del self._kept[: -(self.config.update_window - 1)]
+        while self._kept and sum(c.batch_size for c in self._kept) > MAX_WINDOW_ROWS - canvas.batch_size:
+            del self._kept[0]
 
     def submit_prompt(self, batch: PromptBatch) -> bool:
         """Submit a prompt update (core/prompt.py): `prompt_steps` optimizer steps at `prompt_lr` on
@@ -411,6 +451,7 @@ class Distiller:
             self._absorb(self.executor.wait())
         self.config.update_stride = stride
         self._window_start = self.stats.scope_rounds
+        self._kept = []
 
     def reset(self) -> None:
         """Start a new scope: base weights (bitwise), fresh optimizer state, per-scope counters."""
@@ -421,6 +462,7 @@ class Distiller:
         self.optimizer.state.clear()
         self.stats.scope_rounds = 0
         self._window_start = 0
+        self._kept = []
         self.stats.scope_updates = 0
         self.stats.num_resets += 1
         self._unpublished = True

@@ -20,6 +20,7 @@ class DistillerStats:
     guard_gain_bound: float = math.nan  # its lower confidence bound (one standard error): what the budget spends
     weight_version: int = 0  # bumped each time new weights are published to the serving copy
     update_ms_total: float = 0.0
+    update_rows_total: int = 0  # canvas rows the submitted updates trained on (rounds x requests)
     update_ms_last: float = 0.0
     wait_ms_total: float = 0.0  # time the serving thread was blocked waiting for updates
     hidden_ms_total: float = 0.0  # update time that overlapped serving instead

@@ -154,6 +154,67 @@ def build_canvas(
     return canvas
 
 
+def build_kept_canvas(
+    *,
+    request_ids: Sequence[str],
+    accept_index: torch.Tensor,
+    accept_lens: torch.Tensor,
+    draft_tokens: torch.Tensor,
+    target_logits: torch.Tensor,
+    seq_lens: torch.Tensor,
+    anchor_features: Sequence[torch.Tensor | None],
+    skip: Sequence[bool] | None = None,
+    full_chain: bool = False,
+    round_index: int = 0,
+    device: torch.device | str = "cpu",
+) -> Canvas | None:
+    """A round's canvas kept for the stride's update (--tts-update-window), gathered on the device
+    with nothing read on the host: each request's path nodes (`accept_index[r, :accept_lens[r]]`,
+    the accepted path plus the next position; every drafted node with `full_chain`), padded to the
+    verify's draft length (padding invalid), positions from `seq_lens`, no K/V (the update reads
+    them once: core/canvas.py, stack_rounds). Rows without an anchor feature, or with `skip` set
+    (host bools: suffix chains under --tts-hybrid-train drafter), are left out.
+
+    accept_index: [bs, n] flat indices into the verify's [bs * n] rows (padding -1)
+    accept_lens:  [bs] nodes on the path (bonus included)
+    draft_tokens: [bs * n]; target_logits: [bs * n, V]
+    seq_lens:     [bs] position of each request's canvas position 0 (read before verify moved them)
+    """
+    keep = [r for r, f in enumerate(anchor_features) if f is not None and not (skip is not None and skip[r])]
+    if not keep:
+        return None
+    device = torch.device(device)
+    n = accept_index.shape[1]
+    with torch.inference_mode(False), torch.no_grad():
+        rows = torch.tensor(keep, dtype=torch.long).to(accept_index.device, non_blocking=True)
+        step = torch.arange(n, device=accept_index.device)
+        lens = accept_lens.index_select(0, rows.to(accept_lens.device)).to(accept_index.device).long()
+        if full_chain:
+            index = rows[:, None] * n + step[None]
+            valid = torch.ones_like(index, dtype=torch.bool)
+        else:
+            index = accept_index.index_select(0, rows).long()
+            valid = step[None] < lens[:, None]
+            index = torch.where(valid, index, index[:, :1])  # padding repeats a real node
+        flat = index.reshape(-1)
+        input_ids = draft_tokens.index_select(0, flat.to(draft_tokens.device)).view(len(keep), n).long()
+        input_ids = input_ids.masked_fill(~valid.to(input_ids.device), 0)
+        logits = target_logits.index_select(0, flat.to(target_logits.device)).float()
+        positions = seq_lens.index_select(0, rows.to(seq_lens.device)).long()[:, None] + step.to(seq_lens.device)
+        canvas = Canvas(
+            input_ids=input_ids.to(device),
+            positions=positions.to(device),
+            target_logits=logits.view(len(keep), n, -1).to(device),
+            valid=valid.to(device),
+            features=torch.stack([anchor_features[r] for r in keep]).float().to(device),
+            num_accepted=(lens - 1).to(device),
+            request_ids=[request_ids[r] for r in keep],
+            round_index=round_index,
+        )
+    canvas.validate()
+    return canvas
+
+
 def _pad_context(
     contexts: Sequence[tuple[torch.Tensor, int] | None], feature_dim: int | None, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -25,7 +25,7 @@ from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 from sglang_tts.drafters.loading import load_drafter
 from sglang_tts.sglang import metrics
 from sglang_tts.sglang.binding import draft_kv_reader, make_runtime, target_embedding
-from sglang_tts.sglang.capture import build_canvas, path_rows, prompt_row_ranges
+from sglang_tts.sglang.capture import build_canvas, build_kept_canvas, path_rows, prompt_row_ranges
 from sglang_tts.sglang.flags import tts_config_from_env
 
 logger = logging.getLogger(__name__)
@@ -177,12 +177,14 @@ class TTSEagleWorker(EAGLEWorkerV2):
         verify_input = batch.spec_info
         idle = batch.forward_mode.is_idle()
         capture, seq_lens = self._capture_plan(batch) if not idle else (False, None)
+        keeps = not idle and self.tts.distiller.next_round_keeps()
+        kept_seq_lens = batch.seq_lens.clone() if keeps else None  # device copy: verify moves them
         result = super().verify(batch, pp_proxy_tensors=pp_proxy_tensors, grammar_barrier=grammar_barrier)
         if not idle:
             tic = time.perf_counter()
             rids = [req.rid for req in batch.reqs]
             with self.tts.failures.absorb("capture", rids):  # on failure: the round is not trained on
-                self._after_verify(batch, verify_input, result, seq_lens, capture)
+                self._after_verify(batch, verify_input, result, seq_lens, capture, kept_seq_lens)
             self.tts.verified(batch.reqs)
             if self.tts_controller is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
@@ -273,7 +275,33 @@ class TTSEagleWorker(EAGLEWorkerV2):
             [max(n - 1, 0) for n in seq_lens],
         )
 
-    def _after_verify(self, batch, verify_input, result, seq_lens: list[int] | None, capture: bool) -> None:
+    def _kept_canvas(self, verify_input, result, seq_lens: torch.Tensor, rids: list[str], suffix: list[bool]):
+        """--tts-update-window: this round's canvas, kept until the stride's update (capture.py)."""
+        return build_kept_canvas(
+            request_ids=rids,
+            accept_index=result.accept_index,
+            accept_lens=result.accept_lens,
+            draft_tokens=verify_input.draft_token,
+            target_logits=result.logits_output.next_token_logits,
+            seq_lens=seq_lens,
+            anchor_features=[self.tts.anchor_features.get(rid) for rid in rids],
+            skip=suffix if self.tts.config.hybrid_train == "drafter" else None,
+            full_chain=self.topk == 1 and self.tts.config.canvas == "full",
+            round_index=self.tts.distiller.stats.rounds,
+            device=self.tts.distiller.device,
+        )
+
+    def _after_verify(
+        self,
+        batch,
+        verify_input,
+        result,
+        seq_lens: list[int] | None,
+        capture: bool,
+        kept_seq_lens: torch.Tensor | None = None,
+    ) -> None:
+        """kept_seq_lens: [bs] device copy of the positions before verify, on rounds whose canvas
+        the stride's update keeps (--tts-update-window); None otherwise."""
         n = self.speculative_num_draft_tokens
         rids = [req.rid for req in batch.reqs]
         if capture:
@@ -298,12 +326,18 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 if self.tts.config.hybrid_train == "drafter":
                     rows = [[] if s else r for r, s in zip(rows, suffix)]
                 canvas = build_canvas(rows=rows, buffers=self.tts.capture_buffers(), **common)
+            elif kept_seq_lens is not None:
+                canvas = self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix)
             if self.tts.check_fallback and self.topk == 1:
                 # The check re-predicts every drafted token, so it needs the whole chain (the drafter's only).
                 rows = path_rows(1, n, accept_lens, result.accept_index, "full")
                 rows = [[] if s else r for r, s in zip(rows, suffix)]
                 check_canvas = build_canvas(rows=rows, **common)
             self.tts.observe(canvas, check_canvas, owned=True)
+        elif kept_seq_lens is not None:  # a round the stride's update keeps: gathered without a host read
+            hybrid = self.tts_hybrid
+            suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
+            self.tts.observe(self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix), owned=True)
         else:
             self.tts.observe(None)
 

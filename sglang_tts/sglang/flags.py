@@ -84,6 +84,13 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "Share of serving time updates may take, e.g. 0.1; 'auto' (default): the measured acceptance gain.",
         },
     ),
+    "--tts-update-window": (
+        "update_window",
+        {
+            "type": _positive_int,
+            "help": "An update trains on the last N rounds of its stride, in one step (1: the latest; EAGLE-3).",
+        },
+    ),
     "--tts-min-stride": ("min_stride", {"type": _positive_int, "help": "Shortest stride the update budget may pick."}),
     "--tts-max-stride": ("max_stride", {"type": _positive_int, "help": "Longest stride the update budget may pick."}),
     "--tts-guard": (

@@ -47,6 +47,7 @@ SCALAR_KEYS = (
     "tts_prompt_steps",
     "tts_prompt_ms",
     "tts_guard_resets",
+    "tts_trained_rounds",
     "tts_update_stride",
     "tts_update_share",
 )
@@ -130,6 +131,7 @@ def write_request_info(
         "tts_prompt_steps": counters.prompt_steps,
         "tts_prompt_ms": round(counters.prompt_ms, 3),
         "tts_guard_resets": counters.guard_resets,
+        "tts_trained_rounds": counters.trained_rounds,
         "tts_update_stride": counters.update_stride,
         "tts_update_share": round(counters.update_share, 4),
     }
@@ -232,6 +234,9 @@ class SchedulerMetrics:
         self.rounds = Counter("sglang_tts:rounds_total", "Verify rounds seen by TTS")
         self.accepted_tokens = Counter("sglang_tts:accepted_tokens_total", "Tokens emitted by TTS rounds (bonus incl.)")
         self.updates = Counter("sglang_tts:updates_total", "Drafter updates applied")
+        self.trained_rounds = Counter(
+            "sglang_tts:trained_rounds_total", "Request rounds (canvas rows) the applied updates trained on"
+        )
         self.skipped = Counter("sglang_tts:skipped_updates_total", "Updates skipped and rolled back (NaN/Inf/error)")
         self.resets = Counter("sglang_tts:resets_total", "Drafter resets to base weights (scope ends)")
         self.update_seconds = Histogram(
@@ -330,9 +335,10 @@ class SchedulerMetrics:
         if failed_publishes:
             self.failed_publishes.inc(failed_publishes)
 
-    def observe_update(self, applied: int, skipped: int, ms: float, stats) -> None:
+    def observe_update(self, applied: int, skipped: int, ms: float, stats, trained_rounds: int = 0) -> None:
         if applied:
             self.updates.inc(applied)
+            self.trained_rounds.inc(trained_rounds)
             self.update_seconds.observe(ms / 1000.0 / max(applied, 1))
             self.kl.set(stats.last_kl_teacher)
         if skipped:

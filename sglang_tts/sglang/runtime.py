@@ -14,7 +14,7 @@ import math
 import os
 import time
 import weakref
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 import torch
@@ -67,6 +67,7 @@ class RequestCounters:
     prompt_ms: float = 0.0  # run time of the prompt update(s) that included this request
     failures: int = 0  # TTS work that failed in rounds of this request (skipped; output unaffected)
     guard_resets: int = 0  # do-no-harm resets of the drafter this request drafted with (core/guard.py)
+    trained_rounds: int = 0  # this request's verify rounds that kept updates trained on (--tts-update-window)
     update_stride: int = 0  # the update stride in force at the request's last round
     update_share: float = 0.0  # the measured share of serving time updates took, at its last round
     # --tts-hybrid: per proposer ("suffix", "drafter"), the rounds it drafted and its accepted drafted tokens
@@ -102,6 +103,7 @@ class TTSRuntime:
         self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
         self._pending_rids: list[str] = []
+        self._pending_rounds: Counter[str] = Counter()  # rid -> its rounds in the update
         # Prompt-time adaptation: each request's captured prompt window (with a weak reference to
         # its Req) from its prefill until its first decode round submits it; requests prefilled in
         # chunks keep theirs across the decode rounds between chunks.
@@ -358,11 +360,12 @@ class TTSRuntime:
         submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
         if submitted and self._round_start is not None:
             self._round_start = (*self._round_start[:2], True)
-        if submitted:
-            rows = canvas.request_ids
-            if canvas.slots is not None:  # requests without an adapter were not trained
-                rows = [rid for rid, slot in zip(rows, canvas.slots.tolist()) if slot >= 0]
-            self._pending_rids = list(rows)
+        if submitted:  # the update's rows: this round's canvas and, with --tts-update-window, earlier rounds'
+            rows, slots = self.distiller.last_submitted_rows, self.distiller.last_submitted_slots
+            if slots is not None:  # requests without an adapter were not trained
+                rows = [rid for rid, slot in zip(rows, slots.tolist()) if slot >= 0]
+            self._pending_rids = list(dict.fromkeys(rows))
+            self._pending_rounds = Counter(rows)
 
     def capture_buffers(self):
         """The Distiller's canvas buffers; collecting a running update there is credited like anywhere."""
@@ -549,12 +552,18 @@ class TTSRuntime:
         if after != before and self._pending_rids:
             for rid in self._pending_rids:
                 c = self.counters(rid)
+                if after[0] > before[0]:
+                    c.trained_rounds += self._pending_rounds[rid]
                 c.num_updates += after[0] - before[0]
                 c.num_skipped_updates += after[1] - before[1]
                 c.update_ms += after[2] - before[2]
             if self.metrics is not None:
-                self.metrics.observe_update(after[0] - before[0], after[1] - before[1], after[2] - before[2], stats)
+                trained = sum(self._pending_rounds.values()) if after[0] > before[0] else 0
+                self.metrics.observe_update(
+                    after[0] - before[0], after[1] - before[1], after[2] - before[2], stats, trained
+                )
             self._pending_rids = []
+            self._pending_rounds = Counter()
         return out
 
     def _credit_guard_resets(self, units: list[int], count: int) -> None:

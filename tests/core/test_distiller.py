@@ -493,3 +493,101 @@ def test_a_barrier_never_publishes_while_an_update_is_running(generator):
     assert distiller.barrier(force=True)
     assert {float(v) for t in serving for v in t.flatten().tolist()} == {2.0}  # all new
     distiller.close()
+
+
+class BatchRecorder(TinyDrafter):
+    """Records the (round stamp, request) of every row an update trains on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[list[tuple[int, str]]] = []
+
+    def canvas_hidden(self, canvas: Canvas) -> torch.Tensor:
+        if torch.is_grad_enabled():  # the update's forward (the guard's scoring runs without grad)
+            stamps = canvas.positions[:, 0].tolist()
+            self.batches.append(list(zip(stamps, canvas.request_ids)))
+        return super().canvas_hidden(canvas)
+
+
+def test_an_update_window_trains_on_the_last_rounds_of_its_stride_in_one_step(generator):
+    """--tts-update-window 3 at S = 4: the engine builds canvases for rounds 2-4 of each stride
+    (next_round_keeps: 2, 3; next_round_submits: 4) and the update takes all three in one batch,
+    after the engine reused its buffers; a request that left before the update is dropped."""
+    drafter = BatchRecorder()
+    distiller = Distiller(
+        drafter, _config(update_stride=4, update_window=3), publisher=WeightPublisher([]), executor=DeferredExecutor()
+    )
+    built = []
+    for round_number in range(1, 13):
+        distiller.barrier()
+        canvas = None
+        if distiller.next_round_submits() or distiller.next_round_keeps():
+            built.append(round_number)
+            rids = ["a", "b"] if round_number != 7 else ["a", "b", "c"]  # c drafts one round, then finishes
+            canvas = random_canvas(generator, batch=len(rids), round_index=round_number)
+            canvas.positions[:, 0] = round_number
+            canvas.request_ids = rids
+        assert distiller.observe(canvas) == (round_number % 4 == 0)
+        if canvas is not None:
+            canvas.positions.fill_(-1)  # the engine reuses its buffers right after observe()
+    distiller.barrier(force=True)
+    assert built == [2, 3, 4, 6, 7, 8, 10, 11, 12]
+    assert drafter.batches == [
+        [(r, rid) for r in stride for rid in ("a", "b")] for stride in ([2, 3, 4], [6, 7, 8], [10, 11, 12])
+    ]
+    assert distiller.stats.num_updates == 3 and distiller.stats.update_rows_total == 18
+    # A stride change or a reset drops what was kept (the next update is S rounds away).
+    distiller.observe(random_canvas(generator))  # round 13 keeps nothing (first of its stride)
+    assert distiller.next_round_keeps()
+    distiller.observe(random_canvas(generator))
+    assert distiller._kept
+    distiller.set_update_stride(2)
+    assert not distiller._kept
+
+
+def test_a_window_of_one_is_the_latest_round_only(generator):
+    distiller = Distiller(TinyDrafter(), _config(update_stride=4), publisher=WeightPublisher([]))
+    assert not any(distiller.next_round_keeps() or distiller.observe(random_canvas(generator)) for _ in range(3))
+    with pytest.raises(TTSConfigError, match="update-window"):
+        _config(update_window=0).validate()
+    with pytest.raises(TTSConfigError, match="update-window"):
+        _config(update_window=65).validate()
+
+
+def test_a_window_learns_more_per_update_than_the_latest_round(generator):
+    """Same stride, same number of updates: training on every round of the stride reaches a
+    higher agreement with the teacher than training on the latest round only."""
+    teacher = TinyTeacher()
+    held_out = [teacher.canvas(generator, batch=8) for _ in range(4)]
+    rounds = [teacher.canvas(generator, batch=1, round_index=i) for i in range(160)]
+    for r, canvas in enumerate(rounds):
+        canvas.request_ids = ["r"]
+        canvas.positions[:] = canvas.positions + r  # one request, whose context grows
+    scores = {}
+    for window in (1, 4):
+        drafter = TinyDrafter(seed=0)
+        distiller = Distiller(drafter, _config(lr=3e-3, update_stride=4, update_window=window))
+        for canvas in rounds:
+            distiller.barrier()
+            distiller.observe(canvas)
+        distiller.barrier(force=True)
+        assert distiller.stats.num_updates == 40
+        scores[window] = agreement(drafter, held_out)
+    assert scores[4] > scores[1] + 0.05, scores
+
+
+def test_a_window_keeps_a_bounded_number_of_rows_whatever_the_batch(generator):
+    """At most MAX_WINDOW_ROWS rows per update: a batch of 20 keeps 2 earlier rounds of a window of
+    8, a batch of 40 none (the update trains on its latest round, as without a window)."""
+    from sglang_tts.core.distiller import MAX_WINDOW_ROWS
+
+    for batch, rows in ((20, 60), (40, 40)):
+        drafter = BatchRecorder()
+        distiller = Distiller(drafter, _config(update_stride=8, update_window=8), publisher=WeightPublisher([]))
+        for round_number in range(1, 9):
+            canvas = random_canvas(generator, batch=batch, round_index=round_number)
+            canvas.request_ids = [f"r{i}" for i in range(batch)]
+            distiller.observe(canvas)
+            assert sum(c.batch_size for c in distiller._kept) + batch <= MAX_WINDOW_ROWS
+        distiller.barrier(force=True)
+        assert len(drafter.batches) == 1 and len(drafter.batches[0]) == rows

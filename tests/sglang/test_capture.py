@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from sglang_testing import forbid_host_reads
 
-from sglang_tts.sglang.capture import build_canvas, path_rows
+from sglang_tts.sglang.capture import build_canvas, build_kept_canvas, path_rows
 
 
 def test_path_rows_accepted_and_full_chains_and_trees():
@@ -59,3 +61,52 @@ def test_no_anchor_anywhere_gives_no_canvas():
         anchor_features=[None],
     )
     assert out is None
+
+
+@pytest.mark.parametrize("full_chain", [False, True])
+def test_a_kept_canvas_is_the_update_canvas_without_kv_and_reads_nothing_on_the_host(monkeypatch, full_chain):
+    """build_kept_canvas (--tts-update-window) gathers on the device what build_canvas gathers from
+    host rows: the same tokens, logits, positions and features at every valid position, padded to the
+    draft length; rows without an anchor or skipped (suffix chains) are left out."""
+    n, vocab, f = 4, 10, 6
+    draft_tokens = torch.arange(100, 100 + 4 * n)
+    logits = torch.randn(4 * n, vocab)
+    anchors = [torch.ones(f), None, torch.full((f,), 2.0), torch.full((f,), 3.0)]
+    accept_index = torch.tensor([[0, 1, -1, -1], [4, 5, 6, -1], [8, 9, 10, 11], [12, -1, -1, -1]])
+    accept_lens = torch.tensor([2, 3, 4, 1])
+    seq_lens = [7, 8, 20, 30]
+    rows = path_rows(1, n, accept_lens.tolist(), accept_index, "full" if full_chain else "accepted")
+    rows[3] = []  # a suffix chain: not the drafter's
+    reference = build_canvas(
+        request_ids=["a", "b", "c", "d"],
+        rows=rows,
+        draft_tokens=draft_tokens,
+        target_logits=logits,
+        seq_lens=seq_lens,
+        anchor_features=anchors,
+        num_accepted=[a - 1 for a in accept_lens.tolist()],
+    )
+    seq_lens_device = torch.tensor(seq_lens)
+    with monkeypatch.context() as m:
+        forbid_host_reads(m)
+        kept = build_kept_canvas(
+            request_ids=["a", "b", "c", "d"],
+            accept_index=accept_index,
+            accept_lens=accept_lens,
+            draft_tokens=draft_tokens,
+            target_logits=logits,
+            seq_lens=seq_lens_device,
+            anchor_features=anchors,
+            skip=[False, False, False, True],
+            full_chain=full_chain,
+        )
+    assert kept.request_ids == reference.request_ids == ["a", "c"]
+    assert kept.input_ids.shape == (2, n) and kept.past_kv is None
+    c = reference.length
+    assert torch.equal(kept.valid[:, :c], reference.valid) and not kept.valid[:, c:].any()
+    valid = reference.valid
+    assert torch.equal(kept.input_ids[:, :c][valid], reference.input_ids[valid])
+    assert torch.equal(kept.positions[:, :c], reference.positions)
+    torch.testing.assert_close(kept.target_logits[:, :c][valid], reference.target_logits[valid])
+    torch.testing.assert_close(kept.features, reference.features)
+    assert kept.num_accepted.tolist() == reference.num_accepted.tolist()

@@ -1,0 +1,51 @@
+"""core/canvas.py: stacking the rounds of an update window (stack_rounds)."""
+
+from __future__ import annotations
+
+import torch
+from core_testing import random_canvas
+
+from sglang_tts.core.canvas import stack_rounds
+
+
+def _with_kv(canvas, length: int, fill: list[float]):
+    """K/V of one drafter layer, [B, 2 heads, length, 3], row r filled with fill[r] (its request's)."""
+    k = torch.stack([torch.full((2, length, 3), f) for f in fill])
+    canvas.past_kv = [(k, -k)]
+    canvas.past_mask = torch.ones(canvas.batch_size, length, dtype=torch.bool)
+    canvas.past_mask[1, length - 2 :] = False  # request b's context is shorter
+    return canvas
+
+
+def test_earlier_rows_read_their_requests_kv_up_to_their_own_round(generator):
+    early = random_canvas(generator, batch=3, length=3)
+    early.request_ids = ["b", "gone", "a"]
+    early.positions = torch.tensor([[5, 6, 7], [9, 10, 11], [8, 9, 10]])  # anchors: b at 5, a at 8
+    early.slots = torch.tensor([1, 2, 0])
+    latest = _with_kv(random_canvas(generator, batch=2, length=4), 12, [1.0, 2.0])
+    latest.request_ids = ["a", "b"]
+    latest.positions = torch.tensor([[11, 12, 13, 14], [8, 9, 10, 11]])
+    latest.slots = torch.tensor([0, 1])
+
+    out = stack_rounds([early], latest)
+    assert out.request_ids == ["b", "a", "a", "b"]  # "gone" finished before the update: dropped
+    assert out.input_ids.shape == (4, 4) and out.target_logits.shape[:2] == (4, 4)
+    assert out.valid[:2].tolist() == [[True, True, True, False]] * 2  # padded, not trained on
+    assert out.positions[:2].tolist() == [[5, 6, 7, 8], [8, 9, 10, 11]]
+    torch.testing.assert_close(out.input_ids[:2, :3], early.input_ids[[0, 2]])
+    torch.testing.assert_close(out.target_logits[:2, :3], early.target_logits[[0, 2]])
+    torch.testing.assert_close(out.features, torch.cat((early.features[[0, 2]], latest.features)))
+    assert out.slots.tolist() == [1, 0, 0, 1]
+    k, v = out.past_kv[0]
+    assert k[:, 0, 0, 0].tolist() == [2.0, 1.0, 1.0, 2.0] and torch.equal(v, -k)  # each row its request's K/V
+    # Earlier rows see what their round saw: the first anchor - 1 entries (b: 4, a: 7); latest rows as given.
+    assert out.past_mask.sum(1).tolist() == [4, 7, 12, 10]
+    assert out.past_mask[0, :4].all() and out.past_mask[1, :7].all()
+
+
+def test_nothing_earlier_of_a_live_request_leaves_the_latest_as_it_is(generator):
+    early = random_canvas(generator, batch=1)
+    early.request_ids = ["gone"]
+    latest = random_canvas(generator, batch=2)
+    latest.request_ids = ["a", "b"]
+    assert stack_rounds([early], latest) is latest
