@@ -304,6 +304,10 @@ class TTSEagleWorker(EAGLEWorkerV2):
         the stride's update keeps (--tts-update-window); None otherwise."""
         n = self.speculative_num_draft_tokens
         rids = [req.rid for req in batch.reqs]
+        if capture or kept_seq_lens is not None:
+            # --tts-hybrid: rows of the suffix proposer's chains (not the drafter's prediction)
+            hybrid = self.tts_hybrid
+            suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
         if capture:
             accept_lens = result.accept_lens.tolist()  # update (and check) rounds only
             common = dict(
@@ -318,9 +322,6 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 device=self.tts.distiller.device,
             )
             canvas = check_canvas = None
-            # --tts-hybrid: rows of the suffix proposer's chains (not the drafter's prediction)
-            hybrid = self.tts_hybrid
-            suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
             if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
                 if self.tts.config.hybrid_train == "drafter":
@@ -335,8 +336,6 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 check_canvas = build_canvas(rows=rows, **common)
             self.tts.observe(canvas, check_canvas, owned=True)
         elif kept_seq_lens is not None:  # a round the stride's update keeps: gathered without a host read
-            hybrid = self.tts_hybrid
-            suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
             self.tts.observe(self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix), owned=True)
         else:
             self.tts.observe(None)

@@ -102,8 +102,8 @@ class TTSRuntime:
         # is forgotten at the next prefill instead of waiting for a decode round that may not come.
         self._prefilled: dict[str, weakref.ref] = {}
         self.check_fallback = os.environ.get(CHECK_ENV, "0") == "1"
-        self._pending_rids: list[str] = []
-        self._pending_rounds: Counter[str] = Counter()  # rid -> its rounds in the update
+        # The submitted update's requests (insertion order), each with its rounds the update trains on.
+        self._pending_rounds: Counter[str] = Counter()
         # Prompt-time adaptation: each request's captured prompt window (with a weak reference to
         # its Req) from its prefill until its first decode round submits it; requests prefilled in
         # chunks keep theirs across the decode rounds between chunks.
@@ -364,7 +364,6 @@ class TTSRuntime:
             rows, slots = self.distiller.last_submitted_rows, self.distiller.last_submitted_slots
             if slots is not None:  # requests without an adapter were not trained
                 rows = [rid for rid, slot in zip(rows, slots.tolist()) if slot >= 0]
-            self._pending_rids = list(dict.fromkeys(rows))
             self._pending_rounds = Counter(rows)
 
     def capture_buffers(self):
@@ -549,8 +548,8 @@ class TTSRuntime:
             )
             before = (before[0], before[1] + prompt_after[1] - prompt_before[1], before[2])  # skips counted there
         after = (stats.num_updates, stats.num_skipped_updates, stats.update_ms_total)
-        if after != before and self._pending_rids:
-            for rid in self._pending_rids:
+        if after != before and self._pending_rounds:
+            for rid in self._pending_rounds:
                 c = self.counters(rid)
                 if after[0] > before[0]:
                     c.trained_rounds += self._pending_rounds[rid]
@@ -562,7 +561,6 @@ class TTSRuntime:
                 self.metrics.observe_update(
                     after[0] - before[0], after[1] - before[1], after[2] - before[2], stats, trained
                 )
-            self._pending_rids = []
             self._pending_rounds = Counter()
         return out
 
