@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Literal
 
 Scope = Literal["batch", "request", "group", "global"]
@@ -13,6 +13,9 @@ LossBackend = Literal["auto", "naive", "chunked", "triton"]
 PromptAdapt = Literal["off", "on", "only"]
 PROMPT_ADAPT_MODES = ("off", "on", "only")
 MAX_UPDATE_WINDOW = 64  # rounds one update may train on (canvases kept meanwhile: bounded)
+# The window an EAGLE-3 server uses when --tts-update-window is not given (docs/update-cost.md: on the
+# demo and the Qwen testbed a window of 8 gains per update what S=2 gains, at a fraction of its time).
+DEFAULT_UPDATE_WINDOW = 8
 PROMPT_LR_FACTOR = 3.0  # default prompt_lr / the update's learning rate (see TTSConfig.prompt_lr)
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
@@ -31,8 +34,10 @@ class TTSConfig:
     stride_pinned: bool = False
     # An update trains on the canvases of the last min(update_window, S) rounds of its stride, in one
     # batch and one optimizer step (the earlier rounds' canvases are kept until then; their K/V are
-    # read once, at the update). 1: the latest round only (the paper, appendix C.1). EAGLE-3 only.
-    update_window: int = 1
+    # read once, at the update). 1: the latest round only (the paper, appendix C.1). None (auto):
+    # DEFAULT_UPDATE_WINDOW where the canvases of a stride can be stacked (an EAGLE-3 server:
+    # with_default_window), else 1; `window` is the value the core uses.
+    update_window: int | None = None
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
     # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
     update_budget: float | None = None
@@ -213,7 +218,7 @@ class TTSConfig:
                 raise TTSConfigError(f"{flag} must be an integer >= 1, got {value!r}")
         if self.min_stride > self.max_stride:
             raise TTSConfigError(f"--tts-min-stride {self.min_stride} is above --tts-max-stride {self.max_stride}")
-        if (
+        if self.update_window is not None and (
             not isinstance(self.update_window, int)
             or isinstance(self.update_window, bool)
             or not (1 <= self.update_window <= MAX_UPDATE_WINDOW)
@@ -250,6 +255,18 @@ class TTSConfig:
                 if isinstance(number, float) and not math.isfinite(number):
                     flag = f"--tts-{f.name.replace('_', '-')}"
                     raise TTSConfigError(f"{flag} must be a finite number, got {value!r}")
+
+    @property
+    def window(self) -> int:
+        """The rounds an update trains on, at most (update_window; auto: 1, the latest round)."""
+        return 1 if self.update_window is None else self.update_window
+
+    def with_default_window(self, stackable: bool) -> TTSConfig:
+        """This config with an auto update_window resolved: DEFAULT_UPDATE_WINDOW where a stride's
+        canvases can be stacked into one update (EAGLE-3), 1 where they cannot (DFlash)."""
+        if self.update_window is not None:
+            return self
+        return replace(self, update_window=DEFAULT_UPDATE_WINDOW if stackable else 1)
 
     @property
     def verify_updates(self) -> bool:

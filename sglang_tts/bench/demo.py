@@ -47,6 +47,7 @@ class Answer:
     accept_lengths: list[int]  # tokens committed by each verify round, bonus included
     updates: int = 0
     skipped_updates: int = 0
+    trained_rounds: int = 0  # verify rounds the updates trained on (> updates with --tts-update-window)
     update_ms: float = 0.0
     failures: int = 0
     finish_reason: str | None = None
@@ -139,6 +140,7 @@ def _ask(server: ServerProcess, model: str, variant: str, question: str, max_tok
         update_stride=int(meta.get("tts_update_stride") or 0),
         update_share=float(meta.get("tts_update_share") or 0.0),
         guard_resets=int(meta.get("tts_guard_resets") or 0),
+        trained_rounds=int(meta.get("tts_trained_rounds") or 0),
         suffix_rounds=int(meta.get("tts_suffix_rounds") or 0),
         suffix_accepted=int(meta.get("tts_suffix_accepted") or 0),
         drafter_rounds=int(meta.get("tts_drafter_rounds") or 0),
@@ -213,6 +215,7 @@ def render(result: DemoResult) -> str:
         if answer is not frozen and answer.accept_mean is not None and frozen.accept_mean:
             lines[-1] += f" ({100 * (answer.accept_mean / frozen.accept_mean - 1):+.0f}%)"
     per_update = tts.update_ms / tts.updates if tts.updates else 0.0
+    rounds_per_update = tts.trained_rounds / tts.updates if tts.updates else 0.0
     args = result.launch_args
     if "--tts-sync" in args:
         where = "on the serving thread: --tts-sync"
@@ -225,7 +228,8 @@ def render(result: DemoResult) -> str:
     lines += [
         "",
         f"TTS updates: {tts.updates} made, {tts.skipped_updates} skipped, {per_update:.1f} ms each "
-        f"({where}); the frozen server made {frozen.updates}",
+        f"({where}), each on {rounds_per_update:.1f} rounds (--tts-update-window); the frozen server made "
+        f"{frozen.updates}",
         f"stride at the end: {tts.update_stride} ({stride}); updates took {100 * tts.update_share:.1f}% of "
         f"serving time; do-no-harm resets: {tts.guard_resets}",
         *_hybrid_lines(hybrid),

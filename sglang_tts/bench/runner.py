@@ -131,6 +131,7 @@ class RequestRecord:
     spec_verify_ct: int | None = None
     tts_num_updates: int | None = None
     tts_num_skipped_updates: int | None = None
+    tts_trained_rounds: int | None = None  # rounds its updates trained on (> updates with --tts-update-window)
     tts_update_ms: float | None = None
     tts_prompt_positions: int | None = None  # --tts-prompt-adapt: positions its prompt update trained on
     tts_prompt_ms: float | None = None  # ... and that prompt update's run time
@@ -437,6 +438,7 @@ def record_from_response(
         spec_verify_ct=_opt(meta, "spec_verify_ct", int),
         tts_num_updates=_opt(meta, "tts_num_updates", int),
         tts_num_skipped_updates=_opt(meta, "tts_num_skipped_updates", int),
+        tts_trained_rounds=_opt(meta, "tts_trained_rounds", int),
         tts_update_ms=_opt(meta, "tts_update_ms", float),
         tts_prompt_positions=_opt(meta, "tts_prompt_positions", int),
         tts_prompt_ms=_opt(meta, "tts_prompt_ms", float),

@@ -303,7 +303,7 @@ class Distiller:
 
     def _keeps(self, window_round: int) -> bool:
         stride = self.config.update_stride
-        return 0 < window_round % stride and window_round % stride > stride - min(self.config.update_window, stride)
+        return 0 < window_round % stride and window_round % stride > stride - min(self.config.window, stride)
 
     def capture_buffers(self) -> CanvasBuffers:
         """Where the engine builds the next update's canvas (preallocated, reused by every update).
@@ -340,7 +340,7 @@ class Distiller:
                 if private.input_ids.device != self.device:
                     private = private.to(self.device)
         if self._kept:
-            earlier = min(self.config.update_window, self.config.update_stride) - 1
+            earlier = min(self.config.window, self.config.update_stride) - 1
             private = stack_rounds(self._kept[len(self._kept) - earlier :] if earlier > 0 else [], private)
             self._kept = []
         update_index, submitted_round = self._num_submitted, self.stats.rounds
@@ -361,7 +361,7 @@ class Distiller:
             with torch.inference_mode(False), torch.no_grad():
                 canvas = canvas.detach_clone().to(self.device)
         self._kept.append(canvas)
-        del self._kept[: -(self.config.update_window - 1)]
+        del self._kept[: -(self.config.window - 1)]
         while self._kept and sum(c.batch_size for c in self._kept) > MAX_WINDOW_ROWS - canvas.batch_size:
             del self._kept[0]
 

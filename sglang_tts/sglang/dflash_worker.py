@@ -71,7 +71,8 @@ class TTSDFlashWorker(DFlashWorkerV2):
         for what, present in unsupported.items():
             if present:
                 raise RuntimeError(f"TTS with DFlash does not support {what}")
-        config = tts_config_from_env()
+        # A DFlash canvas carries its own round's context features: one round per update.
+        config = tts_config_from_env().with_default_window(stackable=False)
         target_model = self.target_worker.model_runner.model
         target_config_path = Path(server_args.model_path) / "config.json"
         target_config = json.loads(target_config_path.read_text()) if target_config_path.exists() else None

@@ -36,7 +36,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
 
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
-        config = tts_config_from_env()
+        config = tts_config_from_env().with_default_window(stackable=True)  # EAGLE-3 canvases stack
         draft_model = self.draft_worker.draft_runner.model
         target_config_path = Path(server_args.model_path) / "config.json"
         target_config = json.loads(target_config_path.read_text()) if target_config_path.exists() else None

@@ -11,7 +11,7 @@ import pytest
 import torch
 from core_testing import TinyDrafter, TinyTeacher, agreement, random_canvas
 
-from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.config import DEFAULT_UPDATE_WINDOW, TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import (
@@ -546,8 +546,13 @@ def test_an_update_window_trains_on_the_last_rounds_of_its_stride_in_one_step(ge
 
 
 def test_a_window_of_one_is_the_latest_round_only(generator):
-    distiller = Distiller(TinyDrafter(), _config(update_stride=4), publisher=WeightPublisher([]))
-    assert not any(distiller.next_round_keeps() or distiller.observe(random_canvas(generator)) for _ in range(3))
+    for config in (_config(update_stride=4), _config(update_stride=4, update_window=1)):  # auto: 1 in the core
+        distiller = Distiller(TinyDrafter(), config, publisher=WeightPublisher([]))
+        assert not any(distiller.next_round_keeps() or distiller.observe(random_canvas(generator)) for _ in range(3))
+    # An engine whose canvases stack resolves auto to DEFAULT_UPDATE_WINDOW; a given window stays.
+    assert _config().with_default_window(stackable=True).window == DEFAULT_UPDATE_WINDOW > 1
+    assert _config().with_default_window(stackable=False).window == 1
+    assert _config(update_window=3).with_default_window(stackable=True).window == 3
     with pytest.raises(TTSConfigError, match="update-window"):
         _config(update_window=0).validate()
     with pytest.raises(TTSConfigError, match="update-window"):

@@ -2,14 +2,17 @@
 (CPU, tiny models). Lossless, the drafts are the published weights' (fallback self-check), each
 update takes about `window` rounds of every request it trains, and the drafter learns at least as
 much per update as from the latest round alone (the Qwen replay measures the size of it:
-docs/update-cost.md, "Which rounds an update trains on")."""
+docs/update-cost.md, "Which rounds an update trains on"). Without the flag an EAGLE-3 server trains
+on a window of DEFAULT_UPDATE_WINDOW rounds, per-request adapters and hybrid drafting included."""
 
 from __future__ import annotations
 
 import statistics
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_tts.config import DEFAULT_UPDATE_WINDOW
 from sglang_tts.bench.server import sglang_server
 from sglang_tts.testing.reference import generate_ids, hf_greedy
 
@@ -19,13 +22,18 @@ CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--spe
 DETAILS = {"tts_return_accept_lengths": True}
 
 
-def _serve(llama, eagle3, window: int) -> list[dict]:
+def _serve(llama, eagle3, window: int | None, *extra: str) -> list[dict]:
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(eagle3), *CHAIN,
-        "--tts-update-stride", "4", "--tts-update-window", str(window), "--tts-lr", "1e-2",
+        "--tts-update-stride", "4", "--tts-lr", "1e-2", *extra,
     ]  # fmt: skip
+    if window is not None:
+        args += ["--tts-update-window", str(window)]
     with sglang_server(str(llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
-        return [generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS) for p in PROMPTS]
+        if window is not None:
+            return [generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS) for p in PROMPTS]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together: each update stacks both requests' rounds
+            return list(pool.map(lambda p: generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS), PROMPTS))
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +58,25 @@ def test_each_update_trains_on_the_rounds_of_its_window_and_drafts_stay_exact(ru
                 assert trained == updates
             else:  # 4 rounds per update, less the windows cut short by the request's first rounds
                 assert 3 * updates < trained <= 4 * updates
+
+
+@pytest.fixture(scope="module")
+def default_run(loopy_llama, loopy_eagle3):
+    """No --tts-update-window: the EAGLE-3 default, with per-request adapters and hybrid drafting."""
+    extra = ("--tts-scope", "request", "--tts-adapter-lr", "1e-2", "--tts-hybrid", "on")
+    return _serve(loopy_llama, loopy_eagle3, None, *extra)
+
+
+def test_the_default_window_serves_adapters_and_the_hybrid_exactly(default_run, loopy_llama):
+    assert DEFAULT_UPDATE_WINDOW > 1
+    for prompt, result in zip(PROMPTS, default_run):
+        assert result["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        meta = result["meta_info"]
+        assert meta["tts_num_skipped_updates"] == 0
+        assert meta["tts_fallback_checked"] > 0 and meta["tts_fallback_mismatches"] == 0  # drafts: its adapter
+        updates, trained = meta["tts_num_updates"], meta["tts_trained_rounds"]
+        assert updates > 5
+        assert 3 * updates < trained <= 4 * updates  # min(window, stride) = 4 of its rounds per update
 
 
 def test_a_window_learns_at_least_as_much_per_update(runs):
