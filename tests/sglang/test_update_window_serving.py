@@ -12,8 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from sglang_tts.config import DEFAULT_UPDATE_WINDOW
 from sglang_tts.bench.server import sglang_server
+from sglang_tts.config import DEFAULT_UPDATE_WINDOW
 from sglang_tts.testing.reference import generate_ids, hf_greedy
 
 PROMPTS = [[4, 454, 607, 82, 343, 14, 357, 315, 3, 5], [4, 100, 200, 300, 3, 5]]
@@ -33,7 +33,8 @@ def _serve(llama, eagle3, window: int | None, *extra: str) -> list[dict]:
         if window is not None:
             return [generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS) for p in PROMPTS]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together: each update stacks both requests' rounds
-            return list(pool.map(lambda p: generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS), PROMPTS))
+            one = lambda p: generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS)  # noqa: E731
+            return list(pool.map(one, PROMPTS))
 
 
 @pytest.fixture(scope="module")
