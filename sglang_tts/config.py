@@ -75,6 +75,11 @@ class TTSConfig:
     adapter_rank: int | Literal["full"] = 8  # "full": a dense per-request delta, trained at `lr`
     adapter_alpha: float = 16.0
     adapter_lr: float = 1e-3
+    # EAGLE-3 adapters also adapt the layers that write the context's K/V (fc, k_proj, v_proj). Off: the
+    # K/V in SGLang's draft pool stay the base drafter's, so the do-no-harm guard's base score reads its
+    # own context (on, an adapter that breaks corrupts the K/V the base is scored on, and the guard goes
+    # blind: docs/update-cost.md, "The guard and the draft KV cache").
+    adapter_kv: bool = False
     max_adapted_requests: int = 16
     # Run the update on the main stream / serving thread, for comparison with the async executor.
     sync: bool = False

@@ -284,15 +284,25 @@ class _LogitsDelta:
             self.processor.__dict__.pop(name, None)
 
 
-# Adapted layers per drafter kind. EAGLE-3: every linear layer, and its own LM head if it has one
-# (a head borrowed from the target is left alone). Its drafted K/V go to SGLang's draft KV pool,
-# which the canvas reads back as `past_kv`, so both sides see the same cached context. DFlash: not
-# K/V or fc, whose weights SGLang's context-K/V writer uses outside any module call
-# (dflash_worker.py), where no hook can add a delta.
+# Adapted layers per drafter kind. EAGLE-3: every linear layer but those that write the context's
+# K/V (fc feeds the layer input, k_proj / v_proj the keys and values), and its own LM head if it has
+# one (a head borrowed from the target is left alone). The context K/V in SGLang's draft KV pool, which
+# the canvas reads back as `past_kv`, then stay the base drafter's, so the do-no-harm guard scores the
+# base drafter on its own context; --tts-adapter-kv on adds the K/V writers (KV_WRITERS: drafted K/V go
+# to the pool, so both sides still see the same cached context). DFlash: never K/V or fc, whose weights
+# SGLang's context-K/V writer uses outside any module call (dflash_worker.py), where no hook can add a
+# delta.
 ADAPTED_LAYERS = {
-    "eagle3": ("fc", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", LM_HEAD),
+    "eagle3": ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj", LM_HEAD),
     "dflash": ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
 }
+KV_WRITERS = ("fc", "k_proj", "v_proj")
+
+
+def adapted_layers(kind: str, config) -> tuple[str, ...]:
+    """The layers per-request adapters adapt for a drafter `kind` under `config` (adapter_kv)."""
+    layers = ADAPTED_LAYERS[kind]
+    return KV_WRITERS + layers if kind == "eagle3" and config.adapter_kv else layers
 
 
 def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
@@ -301,5 +311,5 @@ def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
         num_slots=config.max_adapted_requests,
         rank=config.adapter_rank,
         alpha=config.adapter_alpha,
-        layers=ADAPTED_LAYERS[drafter.kind],
+        layers=adapted_layers(drafter.kind, config),
     )

@@ -125,6 +125,14 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {"type": float, "help": "Per-request adapter scale alpha (delta = alpha/r BA)."},
     ),
     "--tts-adapter-lr": ("adapter_lr", {"type": float, "help": "Learning rate of per-request adapters."}),
+    "--tts-adapter-kv": (
+        "adapter_kv",
+        {
+            "type": _on_off,
+            "metavar": "on|off",
+            "help": "EAGLE-3 adapters also adapt fc, k_proj, v_proj (the context K/V writers; off: exact guard).",
+        },
+    ),
     "--tts-max-adapted-requests": (
         "max_adapted_requests",
         {"type": _positive_int, "help": "Requests that may hold an adapter at once (others: frozen drafter)."},
