@@ -56,11 +56,12 @@ class AdaptedLinear:
 
 
 def adaptable_linears(drafter: nn.Module, suffixes: Sequence[str]) -> list[AdaptedLinear]:
-    """The drafter's nn.Linear modules whose names end with one of `suffixes`, in module order."""
+    """The drafter's nn.Linear modules whose names end with one of `suffixes` (a last name component,
+    or a whole module name), in module order."""
     found = [
         AdaptedLinear(name, m.in_features, m.out_features)
         for name, m in drafter.named_modules()
-        if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in suffixes
+        if isinstance(m, nn.Linear) and (name in suffixes or name.rsplit(".", 1)[-1] in suffixes)
     ]
     if not found:
         raise ValueError(f"the drafter has no linear layer named {list(suffixes)} to adapt")

@@ -28,6 +28,12 @@ Caveat: the canvas is the path the adapted drafter's own draft left accepted, so
 first lean towards where that drafter was right; the first position, the one the Distiller scores,
 is the same for both drafters, so its comparison is paired and unbiased.
 
+Both drafters read the canvas's context K/V, which the serving drafter wrote: a comparison that
+means anything needs those K/V to be the base drafter's own, or close to them. Per-request EAGLE-3
+adapters therefore leave the layers that write them at base (sglang/adapters.py: adapted_layers); a
+shared drafter's update moves them slowly at its learning rate (the offline replay measured the
+base score on the served cache within 0.01 of the score on its own cache: docs/update-cost.md).
+
 Engine independent; the Distiller computes the scores (`greedy_scores`) in the update and
 feeds them here on the serving thread.
 """

@@ -299,10 +299,25 @@ ADAPTED_LAYERS = {
 KV_WRITERS = ("fc", "k_proj", "v_proj")
 
 
-def adapted_layers(kind: str, config) -> tuple[str, ...]:
-    """The layers per-request adapters adapt for a drafter `kind` under `config` (adapter_kv)."""
-    layers = ADAPTED_LAYERS[kind]
-    return KV_WRITERS + layers if kind == "eagle3" and config.adapter_kv else layers
+def adapted_layers(drafter: nn.Module, config) -> tuple[str, ...]:
+    """The layers per-request adapters adapt in `drafter` under `config` (adapter_kv): name suffixes,
+    or whole module names where a suffix would say too much. An EAGLE-3 drafter of several decoder
+    layers (SGLang's have one) feeds each layer's output into the next one's K/V, so without
+    adapter_kv only its last layer is adapted, and its LM head."""
+    layers = ADAPTED_LAYERS[drafter.kind]
+    if drafter.kind != "eagle3":
+        return layers
+    if config.adapter_kv:
+        return KV_WRITERS + layers
+    decoder = getattr(drafter, "layers", ())
+    if len(decoder) <= 1:
+        return layers
+    last = f"layers.{len(decoder) - 1}."
+    return tuple(
+        name
+        for name, m in drafter.named_modules()
+        if isinstance(m, nn.Linear) and name.startswith(last) and name.rsplit(".", 1)[-1] in layers
+    ) + ((LM_HEAD,) if LM_HEAD in layers else ())
 
 
 def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
@@ -311,5 +326,5 @@ def adapters_from_config(drafter: nn.Module, config) -> AdaptedDrafter:
         num_slots=config.max_adapted_requests,
         rank=config.adapter_rank,
         alpha=config.adapter_alpha,
-        layers=adapted_layers(drafter.kind, config),
+        layers=adapted_layers(drafter, config),
     )

@@ -29,10 +29,10 @@ def test_flags_reach_the_config(parser):
     parser.parse_args(
         ["--tts-update-stride", "2", "--tts-lr", "3e-5", "--tts-scope", "global", "--tts-freeze",
          "--tts-position-weights", "1,0.5", "--tts-trainable", "fc,layers", "--tts-sync",
-         "--tts-adapter-rank", "full"]
+         "--tts-adapter-rank", "full", "--tts-adapter-kv", "on"]
     )  # fmt: skip
     cfg = flags.tts_config_from_env()
-    assert cfg.adapter_rank == "full"
+    assert cfg.adapter_rank == "full" and cfg.adapter_kv
     assert cfg.update_stride == 2 and cfg.lr == 3e-5 and cfg.scope == "global"
     assert cfg.freeze and cfg.sync
     assert cfg.position_weights == (1.0, 0.5) and cfg.trainable == ("fc", "layers")
@@ -48,6 +48,7 @@ def test_flags_reach_the_config(parser):
         (["--tts-reg-lambda", "-0.5"], "--tts-reg-lambda must be >= 0"),
         (["--tts-adapter-rank", "0"], "must be an integer >= 1"),
         (["--tts-adapter-rank", "half"], "expected an integer"),
+        (["--tts-adapter-kv", "yes"], "expected 'on' or 'off'"),
         (["--tts-reg-lambda", "nan"], "--tts-reg-lambda must be a finite number"),
         (["--tts-reg-lambda", "inf"], "--tts-reg-lambda must be a finite number"),
         (["--tts-max-grad-norm", "nan"], "--tts-max-grad-norm must be a finite number"),

@@ -45,6 +45,7 @@ def runs(loopy_llama, loopy_eagle3):
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(loopy_eagle3), *CHAIN,
         "--tts-scope", "group", "--tts-update-stride", "2", "--tts-sync", "--tts-adapter-lr", "1e-2",
         "--tts-allow-weight-digest", "--tts-max-adapted-requests", "1",
+        "--tts-adapter-kv", "on",  # adapted context K/V: the fallback check covers that path too
     ]  # fmt: skip
     with sglang_server(str(loopy_llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
         out = {"siblings": _together(server.base_url, [(PROMPT_A, {}), (PROMPT_A, {}), (PROMPT_B, {})])}
