@@ -158,7 +158,7 @@ def validate_server_args(server_args) -> None:
         # Dense per-request deltas pick one matmul per request present (a host-side loop over a
         # data-dependent set), which a captured CUDA graph cannot replay.
         raise TTSLaunchError("--tts-adapter-rank full needs --disable-cuda-graph on CUDA (or use a rank r)")
-    if config.update_window is not None and config.update_window > 1 and kind != "eagle3":
+    if config.window > 1 and kind != "eagle3":
         # A DFlash canvas carries the context features of its round (not a prefix of the latest's).
         raise TTSLaunchError(f"--tts-update-window {config.update_window} needs an EAGLE-3 drafter (got {kind})")
     if config.hybrid:

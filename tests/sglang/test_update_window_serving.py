@@ -22,24 +22,22 @@ CHAIN = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "1", "--spe
 DETAILS = {"tts_return_accept_lengths": True}
 
 
-def _serve(llama, eagle3, window: int | None, *extra: str) -> list[dict]:
+def _serve(llama, eagle3, extra: tuple[str, ...], together: bool = False) -> list[dict]:
+    """together: the prompts in flight at once (each update stacks both requests' rounds)."""
     args = [
         "--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(eagle3), *CHAIN,
         "--tts-update-stride", "4", "--tts-lr", "1e-2", *extra,
     ]  # fmt: skip
-    if window is not None:
-        args += ["--tts-update-window", str(window)]
     with sglang_server(str(llama), args, env={"SGLANG_TTS_CHECK_FALLBACK": "1"}) as server:
-        if window is not None:
-            return [generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS) for p in PROMPTS]
-        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together: each update stacks both requests' rounds
-            one = lambda p: generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS)  # noqa: E731
-            return list(pool.map(one, PROMPTS))
+        with ThreadPoolExecutor(len(PROMPTS) if together else 1) as pool:
+            return list(
+                pool.map(lambda p: generate_ids(server.base_url, p, NEW_TOKENS, custom_params=DETAILS), PROMPTS)
+            )
 
 
 @pytest.fixture(scope="module")
 def runs(loopy_llama, loopy_eagle3):
-    return {window: _serve(loopy_llama, loopy_eagle3, window) for window in (1, 4)}
+    return {window: _serve(loopy_llama, loopy_eagle3, ("--tts-update-window", str(window))) for window in (1, 4)}
 
 
 def test_outputs_are_the_targets_greedy_output(runs, loopy_llama):
@@ -65,7 +63,7 @@ def test_each_update_trains_on_the_rounds_of_its_window_and_drafts_stay_exact(ru
 def default_run(loopy_llama, loopy_eagle3):
     """No --tts-update-window: the EAGLE-3 default, with per-request adapters and hybrid drafting."""
     extra = ("--tts-scope", "request", "--tts-adapter-lr", "1e-2", "--tts-hybrid", "on")
-    return _serve(loopy_llama, loopy_eagle3, None, *extra)
+    return _serve(loopy_llama, loopy_eagle3, extra, together=True)
 
 
 def test_the_default_window_serves_adapters_and_the_hybrid_exactly(default_run, loopy_llama):
