@@ -21,6 +21,7 @@ K/V caches handed between calls are lists with one `(k, v)` per drafter layer, e
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -233,26 +234,40 @@ class SwiGLUMLP(nn.Module):
 
 
 def masked_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor | Sequence[torch.Tensor],
+    v: torch.Tensor | Sequence[torch.Tensor],
+    visible: torch.Tensor,
+    scale: float,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible keys, with grouped-query KV heads.
 
-    q: [B, H_q, T, D]; k, v: [B, H_kv, S, D]; visible: [B, T, S] bool. Returns [B, T, H_q * D].
+    q: [B, H_q, T, D]; k, v: [B, H_kv, S, D], or segments [B, H_kv, S_i, D] that are the keys in
+    that order (sum S_i = S); visible: [B, T, S] bool. Returns [B, T, H_q * D].
     Every query row must see at least one key (callers always let a row see itself).
 
     Grouped-query heads share their KV head by folding the group into the query rows (query head
     h reads KV head h // G, as repeat_interleave would pair them) instead of repeating K and V
-    G times: an update's past K/V (the whole context, thousands of rows) is read, never copied.
+    G times. Segments are scored one by one and only the [.., T, S] scores are joined for the
+    softmax: an update's past K/V (the whole context, thousands of rows) is read, never copied,
+    and a detached segment gets no K/V gradient.
     """
+    ks = [k] if isinstance(k, torch.Tensor) else list(k)
+    vs = [v] if isinstance(v, torch.Tensor) else list(v)
     b, h_q, t, d = q.shape
-    h_kv = k.shape[1]
+    h_kv = ks[0].shape[1]
     groups = h_q // h_kv
-    q = q.reshape(b, h_kv, groups * t, d)  # [B, H_kv, G*T, D]
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H_kv, G*T, S]
+    qf = q.reshape(b, h_kv, groups * t, d).float()  # [B, H_kv, G*T, D]
+    parts = [torch.matmul(qf, key.float().transpose(-1, -2)) for key in ks]  # [B, H_kv, G*T, S_i]
+    scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G*T, S]
     scores = scores.view(b, h_kv, groups, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(b, h_kv, groups * t, -1)
-    out = torch.matmul(probs, v).view(b, h_q, t, d)  # [B, H_q, T, D]
-    return out.transpose(1, 2).flatten(2)
+    probs = torch.softmax(scores, dim=-1).to(vs[0].dtype).view(b, h_kv, groups * t, -1)
+    if len(vs) == 1:
+        out = torch.matmul(probs, vs[0])
+    else:
+        sizes = [value.shape[2] for value in vs]
+        out = sum(torch.matmul(p, value) for p, value in zip(probs.split(sizes, dim=-1), vs))
+    return out.view(b, h_q, t, d).transpose(1, 2).flatten(2)
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

@@ -43,6 +43,7 @@ draft KV cache) and to canvas positions 0..k.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +61,6 @@ from sglang_tts.drafters.common import (
     Rotary,
     SwiGLUMLP,
     UnsupportedDrafterConfigError,
-    append_kv,
     check_past,
     check_tensor_shape,
     detach_kv,
@@ -187,16 +187,16 @@ class Eagle3Attention(nn.Module):
         x: torch.Tensor,
         rope_positions: torch.Tensor,
         rotary: Rotary,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """`past`: this layer's earlier K/V as segments in key order ([B, H_kv, L_i, D] each),
+        attended without joining them; the new rows' keys come last in `visible` [B, T, sum L_i + T]."""
         q = rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), rope_positions)
         k = rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), rope_positions)
         v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
-        keys, values = k, v
-        if past is not None:
-            keys = torch.cat((past[0].to(k.dtype), k), dim=2)
-            values = torch.cat((past[1].to(v.dtype), v), dim=2)
+        keys = [pk.to(k.dtype) for pk, _ in past] + [k]
+        values = [pv.to(v.dtype) for _, pv in past] + [v]
         out = masked_attention(q, keys, values, visible, self.scale)
         return self.o_proj(out), (k, v)
 
@@ -222,7 +222,7 @@ class Eagle3Layer(nn.Module):
         residual: torch.Tensor | None,
         rope_positions: torch.Tensor,
         rotary: Rotary,
-        past: tuple[torch.Tensor, torch.Tensor] | None,
+        past: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self.is_input_layer:
@@ -377,38 +377,39 @@ class Eagle3Drafter(nn.Module):
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         rope_positions: torch.Tensor,
-        past_kv: KVCache | None,
+        past: list[KVCache],
         past_mask: torch.Tensor | None,
         row_mask: torch.Tensor | None = None,
     ) -> Eagle3Output:
-        """T rows [B, T, H] through all layers. Rows see the valid past and earlier valid rows
-        (causal in row order) and always themselves."""
+        """T rows [B, T, H] through all layers. Rows see the valid past (`past`: caches in key
+        order, `past_mask` [B, sum L_i] over all of them) and earlier valid rows (causal in row
+        order) and always themselves."""
         b, t, _ = embeds.shape
         device = embeds.device
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
         if row_mask is None:
             row_mask = torch.ones(b, t, dtype=torch.bool, device=device)
         visible = (causal[None] & row_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]
-        if past_kv is not None:
+        if past:
             visible = torch.cat((past_mask[:, None, :].expand(b, t, -1), visible), dim=-1)
-        return self._forward_layers(embeds, hidden, rope_positions, past_kv, visible)
+        return self._forward_layers(embeds, hidden, rope_positions, past, visible)
 
     def _forward_layers(
         self,
         embeds: torch.Tensor,
         hidden: torch.Tensor,
         rope_positions: torch.Tensor,
-        past_kv: KVCache | None,
+        past: list[KVCache],
         visible: torch.Tensor,
     ) -> Eagle3Output:
-        """T rows through all layers; `visible` [B, T, L_past + T] says which past and new keys
-        each row sees (new keys come last)."""
+        """T rows through all layers; `past` holds earlier K/V as caches in key order, never joined
+        (an update's context and each unrolled step's own K/V); `visible` [B, T, L_past + T] says
+        which past and new keys each row sees (new keys come last)."""
         residual = None
         new_kv: KVCache = []
         for i, layer in enumerate(self.layers):
-            hidden, residual, kv = layer(
-                embeds, hidden, residual, rope_positions, self.rotary, past_kv[i] if past_kv else None, visible
-            )
+            layer_past = [cache[i] for cache in past]
+            hidden, residual, kv = layer(embeds, hidden, residual, rope_positions, self.rotary, layer_past, visible)
             new_kv.append(kv)
         normed, summed = self.norm(hidden, residual)
         return Eagle3Output(hidden=normed, aux=normed if self.cfg.norm_output else summed, kv=new_kv)
@@ -432,7 +433,12 @@ class Eagle3Drafter(nn.Module):
         """
         past_mask = check_past(past_kv, past_mask, len(self.layers), input_ids.shape[0])
         return self._run_rows(
-            self.embed(input_ids), self.project_features(features), positions - 1, past_kv, past_mask, row_mask
+            self.embed(input_ids),
+            self.project_features(features),
+            positions - 1,
+            [] if past_kv is None else [past_kv],
+            past_mask,
+            row_mask,
         )
 
     @torch.no_grad()
@@ -470,7 +476,7 @@ class Eagle3Drafter(nn.Module):
             self.embed(input_ids[:, None]),
             hidden[:, None].to(self.fc.weight.dtype),
             positions[:, None] - 1,
-            past_kv,
+            [] if past_kv is None else [past_kv],
             past_mask,
         )
 
@@ -514,23 +520,23 @@ class Eagle3Drafter(nn.Module):
             torch.eye(t, dtype=torch.bool, device=device)[None]
         )
         past_mask = check_past(past_kv, past_mask, len(self.layers), b)
+        past: list[KVCache] = []
         if past_kv is not None:
-            past_kv = detach_kv(past_kv)
+            past = [detach_kv(past_kv)]
             causal = torch.cat((past_mask[:, None, :].expand(b, t, -1), causal), dim=-1)
         rows = t - first_row
         eye = torch.eye(rows, dtype=torch.bool, device=device)[None].expand(b, rows, rows)
-        out = self._forward_layers(
-            self.embed(input_ids), self.project_features(features), positions - 1, past_kv, causal
-        )
+        out = self._forward_layers(self.embed(input_ids), self.project_features(features), positions - 1, past, causal)
         outputs = [out.hidden[:, first_row:]]
-        hidden, cache = out.aux[:, first_row:], append_kv(past_kv, out.kv)
+        hidden = out.aux[:, first_row:]
+        past = [*past, out.kv]  # each step's K/V is one more segment, never joined to the others
         for j in range(1, steps):
             ids = torch.cat((input_ids[:, j:], input_ids[:, -1:].expand(b, min(j, t))), 1)[:, first_row:]
             visible = torch.cat([causal[:, first_row:]] + [eye] * j, dim=-1)
-            out = self._forward_layers(self.embed(ids), hidden, positions[:, first_row:] + j - 1, cache, visible)
+            out = self._forward_layers(self.embed(ids), hidden, positions[:, first_row:] + j - 1, past, visible)
             outputs.append(out.hidden)
             hidden = out.aux
-            cache = append_kv(cache, out.kv)
+            past = [*past, out.kv]
         return outputs
 
     def target_to_draft_ids(self) -> torch.Tensor:
@@ -578,19 +584,19 @@ class Eagle3Drafter(nn.Module):
         if canvas.features.shape != (b, self.fc.in_features):
             expected = f"[B, {self.fc.in_features}]"
             raise ValueError(f"EAGLE-3 canvas.features must be {expected}, got {tuple(canvas.features.shape)}")
-        cache = canvas.past_kv
-        cache_mask = check_past(cache, canvas.past_mask, len(self.layers), b)
-        if cache is not None:
-            cache = detach_kv(cache)
+        cache_mask = check_past(canvas.past_kv, canvas.past_mask, len(self.layers), b)
+        # The context K/V and each step's own K/V stay separate segments: the context (thousands of
+        # rows per canvas row) is read by every step, never copied, and gets no K/V gradient.
+        past: list[KVCache] = [] if canvas.past_kv is None else [detach_kv(canvas.past_kv)]
         embeds = self.embed(canvas.input_ids)
         rope_positions = canvas.positions - 1
         hidden = self.project_features(canvas.features)[:, None]
         outputs = []
         for k in range(c):
-            step = self._run_rows(embeds[:, k : k + 1], hidden, rope_positions[:, k : k + 1], cache, cache_mask)
+            step = self._run_rows(embeds[:, k : k + 1], hidden, rope_positions[:, k : k + 1], past, cache_mask)
             outputs.append(step.hidden)
             hidden = step.aux
-            cache = append_kv(cache, step.kv)
+            past = [*past, step.kv]
             own = torch.ones(b, 1, dtype=torch.bool, device=embeds.device)
             cache_mask = own if cache_mask is None else torch.cat((cache_mask, own), dim=1)
         return torch.cat(outputs, dim=1)

@@ -102,6 +102,26 @@ def test_grouped_query_attention_uses_kv_head_of_its_group():
         torch.testing.assert_close(out[0, :, head], torch.softmax(scores, -1) @ v[0, kv])
 
 
+def test_attention_over_kv_segments_equals_attention_over_the_joined_keys():
+    # An update's unroll attends to the context and to each step's own K/V as separate segments:
+    # the same values and gradients as one joined cache.
+    torch.manual_seed(2)
+    q = torch.randn(2, 6, 3, 8, requires_grad=True)
+    context = [torch.randn(2, 2, 9, 8) for _ in range(2)]  # detached, as a canvas's past_kv
+    own = [torch.randn(2, 2, 2, 8, requires_grad=True) for _ in range(2)]
+    new = [torch.randn(2, 2, 3, 8, requires_grad=True) for _ in range(2)]
+    visible = torch.rand(2, 3, 14) < 0.5
+    visible[:, :, -1] = True
+    ks, vs = [context[0], own[0], new[0]], [context[1], own[1], new[1]]
+    out = masked_attention(q, ks, vs, visible, 8**-0.5)
+    joined = masked_attention(q, torch.cat(ks, 2), torch.cat(vs, 2), visible, 8**-0.5)
+    torch.testing.assert_close(out, joined)
+    grad = torch.randn_like(out)
+    leaves = (q, *own, *new)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(joined, leaves, grad)):
+        torch.testing.assert_close(a, b)
+
+
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (7, 1)])
 def test_grouped_query_attention_reads_the_shared_kv_without_repeating_it(heads):
     # Values and gradients of the repeat_interleave formulation, with K/V an expanded view (as an
