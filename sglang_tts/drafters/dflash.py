@@ -37,6 +37,7 @@ holds only committed tokens (positions < anchor) when the block runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,15 +194,16 @@ class DFlashAttention(nn.Module):
         x: torch.Tensor,
         positions: torch.Tensor,
         rotary: Rotary,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+        prefix: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
     ) -> torch.Tensor:
+        """`prefix`: this layer's K/V before the block as segments in key order (the detached past,
+        the context rows), attended without joining them; the block's keys come last in `visible`."""
         q = rotary(self.q_norm(split_heads(self.q_proj(x), self.num_heads, self.head_dim)), positions)
         k, v = self.key_value(x, positions, rotary)
-        if prefix is not None:
-            k = torch.cat((prefix[0].to(k.dtype), k), dim=2)
-            v = torch.cat((prefix[1].to(v.dtype), v), dim=2)
-        return self.o_proj(masked_attention(q, k, v, visible, self.scale))
+        keys = [pk.to(k.dtype) for pk, _ in prefix] + [k]
+        values = [pv.to(v.dtype) for _, pv in prefix] + [v]
+        return self.o_proj(masked_attention(q, keys, values, visible, self.scale))
 
 
 class DFlashLayer(nn.Module):
@@ -218,7 +220,7 @@ class DFlashLayer(nn.Module):
         residual: torch.Tensor | None,
         positions: torch.Tensor,
         rotary: Rotary,
-        prefix: tuple[torch.Tensor, torch.Tensor] | None,
+        prefix: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
@@ -358,7 +360,7 @@ class DFlashDrafter(nn.Module):
         b, s = block_ids.shape
         device = block_ids.device
         past_mask = check_past(past_kv, past_mask, len(self.layers), b)
-        prefix = detach_kv(past_kv) if past_kv is not None else None
+        prefix: list[KVCache] = [detach_kv(past_kv)] if past_kv is not None else []
         key_mask = [past_mask] if past_mask is not None else []
         if features is not None and features.shape[1] > 0:
             if context_positions is None:
@@ -366,15 +368,7 @@ class DFlashDrafter(nn.Module):
             valid = context_positions < block_positions[:, :1]
             if context_mask is not None:
                 valid = valid & context_mask.bool()
-            ctx_kv = self.context_kv(features, context_positions)
-            prefix = (
-                ctx_kv
-                if prefix is None
-                else [
-                    (torch.cat((pk.to(ck.dtype), ck), dim=2), torch.cat((pv.to(cv.dtype), cv), dim=2))
-                    for (pk, pv), (ck, cv) in zip(prefix, ctx_kv)
-                ]
-            )
+            prefix.append(self.context_kv(features, context_positions))
             key_mask.append(valid)
         key_mask.append(torch.ones(b, s, dtype=torch.bool, device=device))
         visible = torch.cat(key_mask, dim=1)[:, None, :].expand(b, s, -1)
@@ -384,15 +378,15 @@ class DFlashDrafter(nn.Module):
         self,
         block_ids: torch.Tensor,
         block_positions: torch.Tensor,
-        prefix: KVCache | None,
+        prefix: list[KVCache],
         visible: torch.Tensor,
     ) -> torch.Tensor:
-        """Blocks [B, S] through all layers over per-layer prefix K/V; `visible` [B, S, L + S]."""
+        """Blocks [B, S] through all layers over prefix K/V (caches in key order, never joined);
+        `visible` [B, S, L + S]."""
         hidden, residual = self.embed(block_ids), None
         for i, layer in enumerate(self.layers):
-            hidden, residual = layer(
-                hidden, residual, block_positions, self.rotary, prefix[i] if prefix else None, visible
-            )
+            layer_prefix = [cache[i] for cache in prefix]
+            hidden, residual = layer(hidden, residual, block_positions, self.rotary, layer_prefix, visible)
         normed, _ = self.norm(hidden, residual)
         return normed
 
@@ -421,7 +415,7 @@ class DFlashDrafter(nn.Module):
         ctx_visible = (before & context_mask.bool()[:, None, :]).reshape(b * a, -1)
         own = torch.ones(b * a, s, dtype=torch.bool, device=block_ids.device)
         visible = torch.cat((ctx_visible, own), dim=1)[:, None, :].expand(b * a, s, -1)
-        hidden = self._run_block(block_ids.reshape(b * a, s), block_positions.reshape(b * a, s), prefix, visible)
+        hidden = self._run_block(block_ids.reshape(b * a, s), block_positions.reshape(b * a, s), [prefix], visible)
         return hidden.reshape(b, a, s, -1)
 
     def block_ids_for(self, anchor_ids: torch.Tensor) -> torch.Tensor:
