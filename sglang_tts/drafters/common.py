@@ -250,7 +250,9 @@ def masked_attention(
     h reads KV head h // G, as repeat_interleave would pair them) instead of repeating K and V
     G times. Segments are scored one by one and only the [.., T, S] scores are joined for the
     softmax: an update's past K/V (the whole context, thousands of rows) is read, never copied,
-    and a detached segment gets no K/V gradient.
+    and a detached segment gets no K/V gradient. Segments may differ in dtype (a past read from a
+    pool kept in another dtype): each segment's probabilities are cast to its values' dtype, never
+    the values, and the output has the last segment's dtype (the new rows').
     """
     ks = [k] if isinstance(k, torch.Tensor) else list(k)
     vs = [v] if isinstance(v, torch.Tensor) else list(v)
@@ -261,12 +263,12 @@ def masked_attention(
     parts = [torch.matmul(qf, key.float().transpose(-1, -2)) for key in ks]  # [B, H_kv, G*T, S_i]
     scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G*T, S]
     scores = scores.view(b, h_kv, groups, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(vs[0].dtype).view(b, h_kv, groups * t, -1)
-    if len(vs) == 1:
-        out = torch.matmul(probs, vs[0])
-    else:
-        sizes = [value.shape[2] for value in vs]
-        out = sum(torch.matmul(p, value) for p, value in zip(probs.split(sizes, dim=-1), vs))
+    probs = torch.softmax(scores, dim=-1).view(b, h_kv, groups * t, -1)
+    out_dtype = vs[-1].dtype
+    out = None
+    for p, value in zip(probs.split([value.shape[2] for value in vs], dim=-1), vs):
+        part = torch.matmul(p.to(value.dtype), value).to(out_dtype)  # [B, H_kv, G*T, D]
+        out = part if out is None else out + part
     return out.view(b, h_q, t, d).transpose(1, 2).flatten(2)
 
 

@@ -201,8 +201,7 @@ class DFlashAttention(nn.Module):
         the context rows), attended without joining them; the block's keys come last in `visible`."""
         q = rotary(self.q_norm(split_heads(self.q_proj(x), self.num_heads, self.head_dim)), positions)
         k, v = self.key_value(x, positions, rotary)
-        keys = [pk.to(k.dtype) for pk, _ in prefix] + [k]
-        values = [pv.to(v.dtype) for _, pv in prefix] + [v]
+        keys, values = [pk for pk, _ in prefix] + [k], [pv for _, pv in prefix] + [v]
         return self.o_proj(masked_attention(q, keys, values, visible, self.scale))
 
 

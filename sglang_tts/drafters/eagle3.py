@@ -195,9 +195,7 @@ class Eagle3Attention(nn.Module):
         q = rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), rope_positions)
         k = rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), rope_positions)
         v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
-        keys = [pk.to(k.dtype) for pk, _ in past] + [k]
-        values = [pv.to(v.dtype) for _, pv in past] + [v]
-        out = masked_attention(q, keys, values, visible, self.scale)
+        out = masked_attention(q, [pk for pk, _ in past] + [k], [pv for _, pv in past] + [v], visible, self.scale)
         return self.o_proj(out), (k, v)
 
 

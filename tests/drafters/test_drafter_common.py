@@ -122,6 +122,22 @@ def test_attention_over_kv_segments_equals_attention_over_the_joined_keys():
         torch.testing.assert_close(a, b)
 
 
+def test_a_segment_in_another_dtype_is_read_as_it_is_and_the_output_keeps_the_new_rows_dtype():
+    # A past kept in bf16 beside fp32 rows: the segment is not cast (its probabilities are), and the
+    # result is the joined fp32 attention's up to bf16 rounding of those probabilities.
+    torch.manual_seed(3)
+    q = torch.randn(1, 4, 2, 8)
+    past = [torch.randn(1, 2, 5, 8).bfloat16() for _ in range(2)]
+    new = [torch.randn(1, 2, 2, 8) for _ in range(2)]
+    visible = torch.ones(1, 2, 7, dtype=torch.bool)
+    out = masked_attention(q, [past[0], new[0]], [past[1], new[1]], visible, 8**-0.5)
+    joined = masked_attention(
+        q, torch.cat((past[0].float(), new[0]), 2), torch.cat((past[1].float(), new[1]), 2), visible, 8**-0.5
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, joined, atol=2e-2, rtol=2e-2)
+
+
 @pytest.mark.parametrize("heads", [(6, 2), (4, 4), (7, 1)])
 def test_grouped_query_attention_reads_the_shared_kv_without_repeating_it(heads):
     # Values and gradients of the repeat_interleave formulation, with K/V an expanded view (as an
