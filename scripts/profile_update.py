@@ -19,10 +19,13 @@ for the trained subsets in ``--serving-trainable`` (default: all, and every per-
 
 Canvases. EAGLE-3: chain drafts, canvas length ``--eagle3-canvas`` (accepted path + 1; 4 for a fully
 accepted chain of 3), features [B, F] (the anchor's target features), the drafter's K/V of ``--context``
-past positions per layer. DFlash: canvas length ``--dflash-canvas`` (committed + 1, at most block - 1), the
-target features of the previous round's committed tokens [B, n, F] and the drafter's K/V of the rest of the
-``--context`` positions. In a batch, odd rows accepted half as much (shorter valid canvas). Target logits
-are random with a clear top token inside the draft vocabulary, so every valid position enters the loss.
+past positions per layer; with ``--one-request`` the B rows are B rounds of one request, as an update window
+stacks them (core/canvas.py stack_rounds): one K/V of batch 1, the latest row reading all ``--context``
+positions and each earlier row 2 fewer. DFlash: canvas length ``--dflash-canvas`` (committed + 1, at most
+block - 1), the target features of the previous round's committed tokens [B, n, F] and the drafter's K/V of
+the rest of the ``--context`` positions. In a batch, odd rows accepted half as much (shorter valid canvas).
+Target logits are random with a clear top token inside the draft vocabulary, so every valid position enters
+the loss.
 
 Writes ``profile.json`` (machine info and one record per configuration) and ``profile.md`` (one table per
 model / kind / scope) under ``--out`` after every configuration; a rerun skips the configurations already
@@ -99,6 +102,7 @@ class Settings:
     canvases: int = 3  # distinct random canvases, used in turn
     context: int = 512
     eagle3_canvas: int = 4
+    one_request: bool = False  # EAGLE-3: the rows are rounds of one request (one K/V of batch 1)
     dflash_canvas: int = 4
     dflash_block_size: int = 8
     dflash_layers: int = 2
@@ -238,7 +242,9 @@ def _teacher(b: int, c: int, vocab: int, top: torch.Tensor, gen: torch.Generator
     return logits
 
 
-def eagle3_canvas(base: nn.Module, b: int, c: int, context: int, gen: torch.Generator) -> Canvas:
+def eagle3_canvas(
+    base: nn.Module, b: int, c: int, context: int, gen: torch.Generator, one_request: bool = False
+) -> Canvas:
     cfg = base.cfg
     draft_ids = base.draft_to_target_ids().cpu()
 
@@ -246,18 +252,21 @@ def eagle3_canvas(base: nn.Module, b: int, c: int, context: int, gen: torch.Gene
         return draft_ids[torch.randint(0, draft_ids.numel(), shape, generator=gen)]
 
     lengths = _valid_lengths(b, c)
+    kv_rows = 1 if one_request else b
     kv = [
-        tuple(torch.randn(b, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen) for _ in range(2))
+        tuple(torch.randn(kv_rows, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen) for _ in range(2))
         for _ in base.layers
     ]
+    # One request: row i is the round 2 (B - 1 - i) positions before the latest (it read that much less).
+    reads = (context - 2 * (b - 1 - torch.arange(b))).clamp(min=1) if one_request else torch.full((b,), context)
     return Canvas(
         input_ids=pick(b, c),
-        positions=(context + torch.arange(c)).expand(b, c).clone(),
+        positions=(reads[:, None] + torch.arange(c)[None]).clone(),
         target_logits=_teacher(b, c, cfg.vocab_size, pick(b, c), gen),
         valid=torch.arange(c)[None] < lengths[:, None],
         features=torch.randn(b, base.fc.in_features, generator=gen),
         past_kv=kv,
-        past_mask=torch.ones(b, context, dtype=torch.bool),
+        past_mask=torch.arange(context)[None] < reads[:, None],
         num_accepted=lengths - 1,
     )
 
@@ -299,7 +308,10 @@ def make_canvases(
     )
     out = []
     for _ in range(settings.canvases):
-        canvas = build(base, config.batch_size, length, settings.context, gen)
+        if kind == "eagle3":
+            canvas = eagle3_canvas(base, config.batch_size, length, settings.context, gen, settings.one_request)
+        else:
+            canvas = build(base, config.batch_size, length, settings.context, gen)
         if config.scope == "request":
             canvas.slots = torch.arange(config.batch_size, dtype=torch.long)
         out.append(canvas.to(device))
@@ -679,6 +691,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     add("--canvases", type=int, default=3, help="distinct random canvases, used in turn")
     add("--context", type=int, default=512, help="past positions of the drafter's K/V and the target's KV cache")
     add("--eagle3-canvas", type=int, default=4, help="EAGLE-3 canvas length (accepted path + 1)")
+    add("--one-request", action="store_true", help="EAGLE-3: the B rows are rounds of one request (an update window)")
     add("--dflash-canvas", type=int, default=4, help="DFlash canvas length (committed + 1, at most block - 1)")
     add("--dflash-block-size", type=int, default=8)
     add("--dflash-layers", type=int, default=2)
@@ -715,6 +728,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         canvases=args.canvases,
         context=args.context,
         eagle3_canvas=args.eagle3_canvas,
+        one_request=args.one_request,
         dflash_canvas=args.dflash_canvas,
         dflash_block_size=args.dflash_block_size,
         dflash_layers=args.dflash_layers,

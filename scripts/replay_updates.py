@@ -13,7 +13,8 @@ serving that one request would, through the serving code path of the update (`Di
 - every S rounds one update (one optimizer step) trains on
   - `latest:S`: the latest round's canvas (the paper's schedule, appendix C.1, TTS's default), or
   - `window:S`: every canvas of the last S rounds, stacked into one batch (each row reads the K/V
-    cache as it was at its round: a prefix of today's, by its mask);
+    cache as it was at its round: a prefix of today's, by its mask); `window:S:W`: the last W
+    rounds of each stride of S (what a server with `--tts-update-window W` trains on at stride S);
   - `frozen`: never.
 
 Reported per schedule: tokens per round overall and per quarter of the answer, updates and their
@@ -104,8 +105,10 @@ class Replay:
 
     def __init__(self, trace: Trace, base, lm_head: torch.Tensor, schedule: str, config: TTSConfig, chain: int):
         self.trace, self.chain, self.lm_head = trace, chain, lm_head
-        self.kind, _, stride = schedule.partition(":")
+        self.kind, _, rest = schedule.partition(":")
+        stride, _, window = rest.partition(":")
         self.stride = int(stride or 0)
+        self.window = int(window or stride or 0)
         self.drafter = copy.deepcopy(base)
         self.distiller = None if self.kind == "frozen" else Distiller(self.drafter, config)
         self.d2t = base.draft_to_target_ids()
@@ -149,14 +152,13 @@ class Replay:
         past_mask = torch.zeros(len(rounds), length, dtype=torch.bool)
         for i, (a, _) in enumerate(rounds):
             past_mask[i, : a - 1] = True
-        b = len(rounds)
         return Canvas(
             input_ids=torch.cat([r.input_ids for r in rows]),
             positions=torch.cat([r.positions for r in rows]),
             target_logits=torch.cat([r.target_logits for r in rows]),
             valid=torch.cat([r.valid for r in rows]),
             features=torch.cat([r.features for r in rows]),
-            past_kv=[(k.expand(b, -1, -1, -1), v.expand(b, -1, -1, -1)) for k, v in self.pool],
+            past_kv=list(self.pool),  # one copy read by every row, as core/canvas.py stack_rounds passes it
             past_mask=past_mask,
         )
 
@@ -195,7 +197,7 @@ class Replay:
             else:
                 self.base_pool = self.pool
             if update_now:
-                rounds = self.pending[-1:] if self.kind == "latest" else self.pending
+                rounds = self.pending[-1:] if self.kind == "latest" else self.pending[-self.window :]
                 self.distiller.observe(self.stacked(rounds), owned=True)
                 self.submitted += 1
                 self.pending = []
@@ -238,9 +240,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     for s in args.schedules:
-        kind, _, stride = s.partition(":")
-        if not (s == "frozen" or (kind in ("latest", "window") and stride.isdigit() and int(stride) >= 1)):
-            ap.error(f"--schedules: {s!r} is not frozen, latest:S or window:S")
+        kind, *numbers = s.split(":")
+        arity = {"latest": (1,), "window": (1, 2)}.get(kind, ())
+        ok = len(numbers) in arity and all(n.isdigit() and int(n) >= 1 for n in numbers)
+        if not (s == "frozen" or ok):
+            ap.error(f"--schedules: {s!r} is not frozen, latest:S, window:S or window:S:W")
 
     from sglang_tts.training.target import cached_greedy_answers, load_target
 

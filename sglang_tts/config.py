@@ -13,9 +13,12 @@ LossBackend = Literal["auto", "naive", "chunked", "triton"]
 PromptAdapt = Literal["off", "on", "only"]
 PROMPT_ADAPT_MODES = ("off", "on", "only")
 MAX_UPDATE_WINDOW = 64  # rounds one update may train on (canvases kept meanwhile: bounded)
-# The window an EAGLE-3 server uses when --tts-update-window is not given (docs/update-cost.md: on the
-# demo and the Qwen testbed a window of 8 gains per update what S=2 gains, at a fraction of its time).
-DEFAULT_UPDATE_WINDOW = 8
+MAX_WINDOW_ROWS = 64  # rows one update may train on (a round of a batch of B requests brings B rows)
+# The window an EAGLE-3 server uses when --tts-update-window is not given: every round of the stride,
+# up to DEFAULT_WINDOW_ROWS rows (docs/update-cost.md: a window gains per update what S=2 gains at a
+# fraction of its time; one request at a time the whole stride gains more than its last 8 rounds).
+DEFAULT_UPDATE_WINDOW = MAX_UPDATE_WINDOW
+DEFAULT_WINDOW_ROWS = 32
 PROMPT_LR_FACTOR = 3.0  # default prompt_lr / the update's learning rate (see TTSConfig.prompt_lr)
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
@@ -35,9 +38,13 @@ class TTSConfig:
     # An update trains on the canvases of the last min(update_window, S) rounds of its stride, in one
     # batch and one optimizer step (the earlier rounds' canvases are kept until then; their K/V are
     # read once, at the update). 1: the latest round only (the paper, appendix C.1). None (auto):
-    # DEFAULT_UPDATE_WINDOW where the canvases of a stride can be stacked (an EAGLE-3 server:
-    # with_default_window), else 1; `window` is the value the core uses.
+    # DEFAULT_UPDATE_WINDOW (every round of the stride) in at most DEFAULT_WINDOW_ROWS rows where the
+    # canvases of a stride can be stacked (an EAGLE-3 server: with_default_window), else 1; `window`
+    # is the value the core uses.
     update_window: int | None = None
+    # Rows an update trains on at most: the window shrinks to window_rows // B rounds at a batch of B
+    # (at least the latest round). Not a flag: an auto window sets DEFAULT_WINDOW_ROWS.
+    window_rows: int = MAX_WINDOW_ROWS
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
     # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
     update_budget: float | None = None
@@ -231,6 +238,8 @@ class TTSConfig:
             raise TTSConfigError(
                 f"--tts-update-window must be an integer in 1..{MAX_UPDATE_WINDOW}, got {self.update_window!r}"
             )
+        if not isinstance(self.window_rows, int) or not (1 <= self.window_rows <= MAX_WINDOW_ROWS):
+            raise TTSConfigError(f"window_rows must be an integer in 1..{MAX_WINDOW_ROWS}, got {self.window_rows!r}")
         if not isinstance(self.guard_window, int) or isinstance(self.guard_window, bool) or self.guard_window < 1:
             raise TTSConfigError(f"--tts-guard-window must be an integer >= 1, got {self.guard_window!r}")
         if not isinstance(self.guard_interval, int) or isinstance(self.guard_interval, bool) or self.guard_interval < 1:
@@ -267,11 +276,14 @@ class TTSConfig:
         return 1 if self.update_window is None else self.update_window
 
     def with_default_window(self, stackable: bool) -> TTSConfig:
-        """This config with an auto update_window resolved: DEFAULT_UPDATE_WINDOW where a stride's
-        canvases can be stacked into one update (EAGLE-3), 1 where they cannot (DFlash)."""
+        """This config with an auto update_window resolved: where a stride's canvases can be stacked
+        into one update (EAGLE-3), every round of the stride up to DEFAULT_WINDOW_ROWS rows; 1 where
+        they cannot (DFlash)."""
         if self.update_window is not None:
             return self
-        return replace(self, update_window=DEFAULT_UPDATE_WINDOW if stackable else 1)
+        if not stackable:
+            return replace(self, update_window=1)
+        return replace(self, update_window=DEFAULT_UPDATE_WINDOW, window_rows=DEFAULT_WINDOW_ROWS)
 
     @property
     def verify_updates(self) -> bool:

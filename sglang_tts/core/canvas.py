@@ -36,7 +36,8 @@ class Canvas:
     #  DFlash:  [B, L, F] aux hidden states of the last L context tokens (see context_mask)
     features: torch.Tensor
     # Detached drafter K/V of earlier context, per drafter layer: (k, v) each [B, H_kv, L, D],
-    # keys already rotary-embedded. None: the drafter attends only to what it recomputes.
+    # keys already rotary-embedded; [1, H_kv, L, D] when every row reads one request's context
+    # (stack_rounds at one request). None: the drafter attends only to what it recomputes.
     past_kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     past_mask: torch.Tensor | None = None  # [B, L] bool, True where past_kv holds a real entry
     context_positions: torch.Tensor | None = None  # [B, L] int64 positions of `features` rows (DFlash)
@@ -139,7 +140,9 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
     K/V entry before its anchor's row, and a live request's draft KV entries are never rewritten,
     so its prefix then is the prefix now). Rows of requests absent from `latest` (finished, or not
     in this batch) are dropped. Shorter canvases are padded (invalid positions). New tensors
-    throughout: the result is the update's own.
+    throughout, except the K/V of a `latest` of one request: every row reads that request's, so
+    they stay one [1, H_kv, L, D] copy (the drafters' attention reads a batch-1 segment once for
+    all rows) instead of one gathered copy per row; only the [rows, L] mask is per row.
     """
     row_of = {rid: i for i, rid in enumerate(latest.request_ids)}
     parts: list[tuple[Canvas, list[int]]] = []
@@ -173,7 +176,10 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
         if latest.past_kv is not None:
             source = [row_of[c.request_ids[i]] for c, keep in parts[:-1] for i in keep]
             index = torch.tensor(source + list(range(latest.batch_size)), device=device)
-            past_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in latest.past_kv]
+            if latest.batch_size == 1:  # one request: its K/V once, read by every row through its mask
+                past_kv = list(latest.past_kv)
+            else:
+                past_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in latest.past_kv]
             span = latest.past_kv[0][0].shape[2]
             mask = (
                 latest.past_mask

@@ -79,7 +79,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.config import MAX_WINDOW_ROWS, TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas, CanvasBuffers, stack_rounds
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
@@ -91,10 +91,6 @@ from sglang_tts.core.stats import DistillerStats
 from sglang_tts.drafters.wgrad import WeightGradBank, deferred_weight_grads
 
 logger = logging.getLogger(__name__)
-
-# Rows an update window keeps at most (--tts-update-window; Distiller._keep): earlier rounds beyond
-# it are dropped, oldest first, so the kept canvases stay bounded at any batch size.
-MAX_WINDOW_ROWS = 64
 
 #: What a fault injector may return for an update (tests and failure drills):
 #:   "nan"   the loss of the update's last step becomes NaN (caught before backward)
@@ -275,6 +271,7 @@ class Distiller:
         self._canvas_buffers = CanvasBuffers(self.device)  # see capture_buffers()
         self._window_start = 0  # scope round at which the current stride's windows began
         self._kept: list[Canvas] = []  # earlier rounds' canvases for the next update (update_window > 1)
+        self._rows_per_round = 1  # the latest canvas's rows: how many rounds fit in config.window_rows
         self.last_submitted_rows: list[str] = []
         self.last_submitted_slots: torch.Tensor | None = None
         # Which trained parameters prompt steps move (indices into train_params).
@@ -297,13 +294,19 @@ class Distiller:
 
     def next_round_keeps(self) -> bool:
         """Will the next observe() keep its canvas for the coming update (--tts-update-window > 1)?
-        True for the rounds of a stride's last min(W, S) - 1 that do not submit: the engine builds
+        True for the rounds of a stride's last _rounds_per_update() that do not submit: the engine builds
         their canvases without K/V (the update reads them once, core/canvas.py: stack_rounds)."""
         return self.config.verify_updates and self._keeps(self._window_rounds + 1)
 
     def _keeps(self, window_round: int) -> bool:
         stride = self.config.update_stride
-        return 0 < window_round % stride and window_round % stride > stride - min(self.config.window, stride)
+        return 0 < window_round % stride and window_round % stride > stride - self._rounds_per_update()
+
+    def _rounds_per_update(self) -> int:
+        """The rounds the next update trains on: min(W, S), fewer where that many rounds of the
+        latest batch size would exceed the config's window_rows (the latest round always)."""
+        by_rows = max(1, self.config.window_rows // max(1, self._rows_per_round))
+        return min(self.config.window, self.config.update_stride, by_rows)
 
     def capture_buffers(self) -> CanvasBuffers:
         """Where the engine builds the next update's canvas (preallocated, reused by every update).
@@ -325,6 +328,8 @@ class Distiller:
         self.stats.scope_rounds += 1
         if self.config.log_interval and self.stats.rounds % self.config.log_interval == 0:
             logger.info("TTS %s", self.stats.snapshot())
+        if canvas is not None:
+            self._rows_per_round = canvas.batch_size
         if self.config.verify_updates and canvas is not None and self._keeps(self._window_rounds):
             self._keep(canvas, owned)
             return False
@@ -340,7 +345,7 @@ class Distiller:
                 if private.input_ids.device != self.device:
                     private = private.to(self.device)
         if self._kept:
-            earlier = min(self.config.window, self.config.update_stride) - 1
+            earlier = self._rounds_per_update() - 1
             private = stack_rounds(self._kept[len(self._kept) - earlier :] if earlier > 0 else [], private)
             self._kept = []
         update_index, submitted_round = self._num_submitted, self.stats.rounds
@@ -354,15 +359,17 @@ class Distiller:
 
     def _keep(self, canvas: Canvas, owned: bool) -> None:
         """Hold an earlier round's canvas for the stride's update: at most update_window - 1 of them,
-        and at most MAX_WINDOW_ROWS rows in all (the oldest go first), so that what is kept (the
-        target's logits at C positions per row) is bounded whatever the batch size: one request keeps
-        up to 63 earlier rounds, a batch of 64 requests none."""
+        and at most window_rows (<= MAX_WINDOW_ROWS) rows in all with the round that submits (the
+        oldest go first), so that what is kept (the target's logits at C positions per row) is
+        bounded whatever the batch size: at 64 rows one request keeps up to 63 earlier rounds, a
+        batch of 64 requests none."""
         if not owned:
             with torch.inference_mode(False), torch.no_grad():
                 canvas = canvas.detach_clone().to(self.device)
         self._kept.append(canvas)
-        del self._kept[: -(self.config.window - 1)]
-        while self._kept and sum(c.batch_size for c in self._kept) > MAX_WINDOW_ROWS - canvas.batch_size:
+        del self._kept[: -max(1, self.config.window - 1)]
+        rows = min(self.config.window_rows, MAX_WINDOW_ROWS)
+        while self._kept and sum(c.batch_size for c in self._kept) > rows - canvas.batch_size:
             del self._kept[0]
 
     def submit_prompt(self, batch: PromptBatch) -> bool:

@@ -243,16 +243,20 @@ def masked_attention(
     """softmax(q k^T * scale) v over the visible keys, with grouped-query KV heads.
 
     q: [B, H_q, T, D]; k, v: [B, H_kv, S, D], or segments [B, H_kv, S_i, D] that are the keys in
-    that order (sum S_i = S); visible: [B, T, S] bool. Returns [B, T, H_q * D].
-    Every query row must see at least one key (callers always let a row see itself).
+    that order (sum S_i = S); a segment of batch 1 is every row's (one request's context read by
+    the rows of several of its rounds: core/canvas.py stack_rounds); visible: [B, T, S] bool.
+    Returns [B, T, H_q * D]. Every query row must see at least one key (callers always let a row
+    see itself).
 
     Grouped-query heads share their KV head by folding the group into the query rows (query head
     h reads KV head h // G, as repeat_interleave would pair them) instead of repeating K and V
     G times. Segments are scored one by one and only the [.., T, S] scores are joined for the
     softmax: an update's past K/V (the whole context, thousands of rows) is read, never copied,
-    and a detached segment gets no K/V gradient. Segments may differ in dtype (a past read from a
-    pool kept in another dtype): each segment's probabilities are cast to its values' dtype, never
-    the values, and the output has the last segment's dtype (the new rows').
+    and a detached segment gets no K/V gradient. A shared segment (batch 1) is multiplied once
+    with every row's queries folded together (`_rows_matmul`), never broadcast to B copies.
+    Segments may differ in dtype (a past read from a pool kept in another dtype): each segment's
+    probabilities are cast to its values' dtype, never the values, and the output has the last
+    segment's dtype (the new rows').
     """
     ks = [k] if isinstance(k, torch.Tensor) else list(k)
     vs = [v] if isinstance(v, torch.Tensor) else list(v)
@@ -260,16 +264,27 @@ def masked_attention(
     h_kv = ks[0].shape[1]
     groups = h_q // h_kv
     qf = q.reshape(b, h_kv, groups * t, d).float()  # [B, H_kv, G*T, D]
-    parts = [torch.matmul(qf, key.float().transpose(-1, -2)) for key in ks]  # [B, H_kv, G*T, S_i]
+    parts = [_rows_matmul(qf, key.float().transpose(-1, -2)) for key in ks]  # [B, H_kv, G*T, S_i]
     scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G*T, S]
     scores = scores.view(b, h_kv, groups, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, h_kv, groups * t, -1)
     out_dtype = vs[-1].dtype
     out = None
     for p, value in zip(probs.split([value.shape[2] for value in vs], dim=-1), vs):
-        part = torch.matmul(p.to(value.dtype), value).to(out_dtype)  # [B, H_kv, G*T, D]
+        part = _rows_matmul(p.to(value.dtype), value).to(out_dtype)  # [B, H_kv, G*T, D]
         out = part if out is None else out + part
     return out.view(b, h_q, t, d).transpose(1, 2).flatten(2)
+
+
+def _rows_matmul(x: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+    """x [B, H, M, N] @ segment [B or 1, H, N, P] -> [B, H, M, P]. A segment of batch 1 is
+    multiplied once with the B rows folded into M (one [H, B*M, N] x [H, N, P] product), where
+    matmul's broadcast would copy it B times."""
+    b, h, m, n = x.shape
+    if segment.shape[0] == b:
+        return torch.matmul(x, segment)
+    folded = x.transpose(0, 1).reshape(1, h, b * m, n)
+    return torch.matmul(folded, segment).view(h, b, m, -1).transpose(0, 1).contiguous()
 
 
 def split_heads(x: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:

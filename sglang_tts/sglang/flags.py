@@ -89,7 +89,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "type": _positive_int,
             "help": "An update trains on the last N rounds of its stride, in one step (1: the latest round, the "
-            "paper; default: 8 with an EAGLE-3 drafter, 1 with DFlash).",
+            "paper; default: every round of the stride, up to 32 rows, with an EAGLE-3 drafter; 1 with DFlash).",
         },
     ),
     "--tts-min-stride": ("min_stride", {"type": _positive_int, "help": "Shortest stride the update budget may pick."}),

@@ -13,7 +13,8 @@ def _with_kv(canvas, length: int, fill: list[float]):
     k = torch.stack([torch.full((2, length, 3), f) for f in fill])
     canvas.past_kv = [(k, -k)]
     canvas.past_mask = torch.ones(canvas.batch_size, length, dtype=torch.bool)
-    canvas.past_mask[1, length - 2 :] = False  # request b's context is shorter
+    if canvas.batch_size > 1:
+        canvas.past_mask[1, length - 2 :] = False  # request b's context is shorter
     return canvas
 
 
@@ -49,3 +50,23 @@ def test_nothing_earlier_of_a_live_request_leaves_the_latest_as_it_is(generator)
     latest = random_canvas(generator, batch=2)
     latest.request_ids = ["a", "b"]
     assert stack_rounds([early], latest) is latest
+
+
+def test_rounds_of_one_request_read_its_one_kv_copy_through_their_masks(generator):
+    """At one request every stacked row reads that request's K/V: the one copy stays ([1, H, L, D],
+    not gathered per row), and each row's mask says what it read in its own round."""
+    earlier = [random_canvas(generator, batch=1, length=3) for _ in range(2)]
+    for canvas, anchor in zip(earlier, (5, 8)):
+        canvas.request_ids = ["a"]
+        canvas.positions = torch.arange(anchor, anchor + 3)[None]
+    latest = _with_kv(random_canvas(generator, batch=1, length=4), 12, [1.0])
+    latest.past_mask[0, 11] = False  # an entry the latest round does not read: no earlier row does
+    latest.request_ids = ["a"]
+    latest.positions = torch.arange(11, 15)[None]
+    out = stack_rounds(earlier, latest)
+    assert out.batch_size == 3 and out.request_ids == ["a"] * 3
+    k, v = out.past_kv[0]
+    assert k.shape == (1, 2, 12, 3) and k.data_ptr() == latest.past_kv[0][0].data_ptr()
+    assert v.data_ptr() == latest.past_kv[0][1].data_ptr()
+    assert out.past_mask.sum(1).tolist() == [4, 7, 11]
+    assert out.past_mask[0, :4].all() and out.past_mask[1, :7].all()

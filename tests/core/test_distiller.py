@@ -11,7 +11,7 @@ import pytest
 import torch
 from core_testing import TinyDrafter, TinyTeacher, agreement, random_canvas
 
-from sglang_tts.config import DEFAULT_UPDATE_WINDOW, TTSConfig, TTSConfigError
+from sglang_tts.config import DEFAULT_UPDATE_WINDOW, DEFAULT_WINDOW_ROWS, TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import (
@@ -549,14 +549,43 @@ def test_a_window_of_one_is_the_latest_round_only(generator):
     for config in (_config(update_stride=4), _config(update_stride=4, update_window=1)):  # auto: 1 in the core
         distiller = Distiller(TinyDrafter(), config, publisher=WeightPublisher([]))
         assert not any(distiller.next_round_keeps() or distiller.observe(random_canvas(generator)) for _ in range(3))
-    # An engine whose canvases stack resolves auto to DEFAULT_UPDATE_WINDOW; a given window stays.
-    assert _config().with_default_window(stackable=True).window == DEFAULT_UPDATE_WINDOW > 1
+    # An engine whose canvases stack resolves auto to DEFAULT_UPDATE_WINDOW rounds in at most
+    # DEFAULT_WINDOW_ROWS rows; a given window stays, with the row bound of MAX_WINDOW_ROWS.
+    auto = _config().with_default_window(stackable=True)
+    assert auto.window == DEFAULT_UPDATE_WINDOW > 1 and auto.window_rows == DEFAULT_WINDOW_ROWS
     assert _config().with_default_window(stackable=False).window == 1
     assert _config(update_window=3).with_default_window(stackable=True).window == 3
     with pytest.raises(TTSConfigError, match="update-window"):
         _config(update_window=0).validate()
     with pytest.raises(TTSConfigError, match="update-window"):
         _config(update_window=65).validate()
+    with pytest.raises(TTSConfigError, match="window_rows"):
+        _config(window_rows=65).validate()
+
+
+@pytest.mark.parametrize("batch, rounds", [(1, 8), (2, 4), (3, 2), (4, 2), (16, 1)])
+def test_an_auto_window_takes_the_rounds_of_its_stride_that_fit_its_rows(generator, batch, rounds):
+    """Every round of the stride up to window_rows rows: at 8 rows and S = 8, one request trains
+    on its 8 rounds, a batch of 2 on the last 4, a batch of 16 on its latest round (16 rows). The
+    engine is asked to build only the canvases the update will take (next_round_keeps)."""
+    drafter = BatchRecorder()
+    config = _config(update_stride=8, update_window=64, window_rows=8)
+    distiller = Distiller(drafter, config, publisher=WeightPublisher([]), executor=DeferredExecutor())
+    built = []
+    for round_number in range(1, 17):
+        distiller.barrier()
+        canvas = None
+        if round_number == 1 or distiller.next_round_submits() or distiller.next_round_keeps():
+            built.append(round_number)  # round 1: the engine's first canvas tells the batch size
+            canvas = random_canvas(generator, batch=batch, round_index=round_number)
+            canvas.positions[:, 0] = round_number
+            canvas.request_ids = [f"r{i}" for i in range(batch)]
+        distiller.observe(canvas)
+    distiller.barrier(force=True)
+    assert built == sorted({1, *range(9 - rounds, 9), *range(17 - rounds, 17)})
+    assert len(drafter.batches) == 2
+    for stride, rows in zip((8, 16), drafter.batches):
+        assert rows == [(r, f"r{i}") for r in range(stride + 1 - rounds, stride + 1) for i in range(batch)]
 
 
 def test_a_window_learns_more_per_update_than_the_latest_round(generator):

@@ -122,6 +122,25 @@ def test_attention_over_kv_segments_equals_attention_over_the_joined_keys():
         torch.testing.assert_close(a, b)
 
 
+def test_a_segment_of_batch_one_is_every_rows_context():
+    # A window at one request: every row reads one copy of the request's context (batch 1), with
+    # its own mask; the values and gradients of that context expanded to every row.
+    torch.manual_seed(4)
+    q = torch.randn(5, 6, 3, 8, requires_grad=True)
+    context = [torch.randn(1, 2, 9, 8) for _ in range(2)]  # one request's, detached
+    new = [torch.randn(5, 2, 3, 8, requires_grad=True) for _ in range(2)]
+    visible = torch.rand(5, 3, 12) < 0.5
+    visible[:, :, -1] = True
+    out = masked_attention(q, [context[0], new[0]], [context[1], new[1]], visible, 8**-0.5)
+    copies = [c.expand(5, -1, -1, -1).clone() for c in context]
+    expected = masked_attention(q, [copies[0], new[0]], [copies[1], new[1]], visible, 8**-0.5)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    leaves = (q, *new)
+    for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
+        torch.testing.assert_close(a, b)
+
+
 def test_a_segment_in_another_dtype_is_read_as_it_is_and_the_output_keeps_the_new_rows_dtype():
     # A past kept in bf16 beside fp32 rows: the segment is not cast (its probabilities are), and the
     # result is the joined fp32 attention's up to bf16 rounding of those probabilities.

@@ -140,6 +140,31 @@ def test_masked_past_entries_are_ignored(eagle3, make_eagle3_inputs):
     assert not torch.allclose(masked, full, atol=1e-4)
 
 
+def test_one_requests_kv_read_by_every_row_trains_as_a_copy_per_row(eagle3, make_eagle3_inputs):
+    """A window of rounds at one request (core/canvas.py stack_rounds) passes the request's context
+    K/V once, [1, H, L, D], with a mask per row: the logits and the weight gradients of the same
+    context copied to every row."""
+    one = make_eagle3_inputs(eagle3, batch=1, context=6)["canvas"]
+    rows = make_eagle3_inputs(eagle3, batch=3, context=6, seed=1)["canvas"]
+    mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)
+    shared = replace(rows, past_kv=one.past_kv, past_mask=mask)
+    copied = replace(
+        rows,
+        past_kv=[(k.expand(3, -1, -1, -1).clone(), v.expand(3, -1, -1, -1).clone()) for k, v in one.past_kv],
+        past_mask=mask,
+    )
+    grads = []
+    for canvas in (shared, copied):
+        eagle3.zero_grad(set_to_none=True)
+        logits = eagle3.canvas_logits(canvas)
+        (logits * torch.linspace(-1, 1, logits.numel()).view_as(logits)).sum().backward()
+        grads.append((logits.detach(), {n: p.grad.clone() for n, p in eagle3.trainable_named_parameters()}))
+    eagle3.zero_grad(set_to_none=True)
+    torch.testing.assert_close(grads[0][0], grads[1][0])
+    for name, grad in grads[0][1].items():
+        torch.testing.assert_close(grad, grads[1][1][name], rtol=1e-4, atol=1e-6)
+
+
 def test_recycled_hidden_is_prenorm_unless_norm_output(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
     embedding = make_target_tensors(llama_target)[0]
     path = write_tiny_eagle3(tmp_path / "e", llama_target)

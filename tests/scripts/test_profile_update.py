@@ -99,3 +99,20 @@ def test_profiles_every_phase_and_a_rerun_skips_finished_configurations(script, 
         torch.set_num_threads(threads)
     assert again["results"] == saved["results"]
     assert again["runs"][-1]["configurations"] == [] and len(again["runs"]) == 2
+
+
+def test_one_request_canvases_are_rounds_of_one_request_reading_one_kv(script, tiny):
+    """--one-request: the rows of an update window at one request (core/canvas.py stack_rounds):
+    one K/V of batch 1 and each earlier row reading 2 positions fewer than the next."""
+    from sglang_tts.drafters.loading import load_drafter
+    from sglang_tts.training.target import load_target
+
+    target_path, eagle3 = tiny
+    _, _, target = load_target(target_path)
+    base = load_drafter(eagle3, target_embedding=target.embedding.float(), target_config=target.config)
+    canvas = script.eagle3_canvas(base, 4, 4, 16, torch.Generator().manual_seed(0), one_request=True)
+    assert canvas.batch_size == 4 and all(k.shape[0] == 1 == v.shape[0] for k, v in canvas.past_kv)
+    assert canvas.past_mask.sum(1).tolist() == [10, 12, 14, 16]
+    assert canvas.positions[:, 0].tolist() == [10, 12, 14, 16]
+    with torch.no_grad():
+        assert torch.isfinite(base.canvas_logits(canvas)).all()

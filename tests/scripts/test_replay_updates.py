@@ -1,7 +1,7 @@
 """scripts/replay_updates.py on a tiny target and a tiny EAGLE-3 drafter: the replay drafts what the
-drafter's own training-time unroll predicts, each schedule trains on the rounds it names (one row or
-the whole stride window, each row reading the cache as it was at its round), the guard's scores are
-the base drafter's, and a rerun skips what is written."""
+drafter's own training-time unroll predicts, each schedule trains on the rounds it names (one row,
+the whole stride window or its last W rounds, each row reading the cache as it was at its round),
+the guard's scores are the base drafter's, and a rerun skips what is written."""
 
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def test_frozen_drafts_what_the_drafters_own_unroll_predicts(script, setup):
     assert all(b[0] - a[0] == a[1] + 1 for a, b in zip(done, done[1:]))
 
 
-@pytest.mark.parametrize("schedule, rows_per_update", [("latest:3", 1), ("window:3", 3)])
+@pytest.mark.parametrize("schedule, rows_per_update", [("latest:3", 1), ("window:3", 3), ("window:3:2", 2)])
 def test_each_schedule_trains_on_the_rounds_it_names(script, setup, schedule, rows_per_update):
     trace, base, lm_head = setup
     replay = script.Replay(trace, base, lm_head, schedule, _config(script, lr=1e-2), chain=3)
