@@ -79,7 +79,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sglang_tts.config import MAX_WINDOW_ROWS, TTSConfig, TTSConfigError
+from sglang_tts.config import TTSConfig, TTSConfigError
 from sglang_tts.core.canvas import Canvas, CanvasBuffers, stack_rounds
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
@@ -359,7 +359,7 @@ class Distiller:
 
     def _keep(self, canvas: Canvas, owned: bool) -> None:
         """Hold an earlier round's canvas for the stride's update: at most update_window - 1 of them,
-        and at most window_rows (<= MAX_WINDOW_ROWS) rows in all with the round that submits (the
+        and at most window_rows (validated <= MAX_WINDOW_ROWS) rows in all with the round that submits (the
         oldest go first), so that what is kept (the target's logits at C positions per row) is
         bounded whatever the batch size: at 64 rows one request keeps up to 63 earlier rounds, a
         batch of 64 requests none."""
@@ -368,8 +368,7 @@ class Distiller:
                 canvas = canvas.detach_clone().to(self.device)
         self._kept.append(canvas)
         del self._kept[: -max(1, self.config.window - 1)]
-        rows = min(self.config.window_rows, MAX_WINDOW_ROWS)
-        while self._kept and sum(c.batch_size for c in self._kept) > rows - canvas.batch_size:
+        while self._kept and sum(c.batch_size for c in self._kept) > self.config.window_rows - canvas.batch_size:
             del self._kept[0]
 
     def submit_prompt(self, batch: PromptBatch) -> bool:

@@ -613,7 +613,7 @@ def test_a_window_learns_more_per_update_than_the_latest_round(generator):
 def test_a_window_keeps_a_bounded_number_of_rows_whatever_the_batch(generator):
     """At most MAX_WINDOW_ROWS rows per update: a batch of 20 keeps 2 earlier rounds of a window of
     8, a batch of 40 none (the update trains on its latest round, as without a window)."""
-    from sglang_tts.core.distiller import MAX_WINDOW_ROWS
+    from sglang_tts.config import MAX_WINDOW_ROWS
 
     for batch, rows in ((20, 60), (40, 40)):
         drafter = BatchRecorder()
