@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from sglang_tts.control.actions import action_grid  # noqa: E402
+from sglang_tts.control.actions import action_grid, uses_suffix  # noqa: E402
 from sglang_tts.control.controller import REWARDS, ControllerConfig  # noqa: E402
 from sglang_tts.control.cost import CostModel  # noqa: E402
 from sglang_tts.control.observation import feature_names  # noqa: E402
@@ -59,6 +59,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kind", choices=list(POLICY_KINDS), default="linucb")
     p.add_argument("--steps", type=_ints, help="chain lengths of the action set (0 = no drafting)")
     p.add_argument("--strides", type=_ints, help="TTS update strides of the action set")
+    p.add_argument(
+        "--proposers",
+        type=lambda text: [x.strip() for x in text.split(",") if x.strip()],
+        help="proposers of the action set, comma-separated from drafter,hybrid,suffix (default drafter; "
+        "others need --tts-hybrid on at serving)",
+    )
     p.add_argument("--trace", action="append", default=[], help="controller trace (JSONL); repeatable")
     p.add_argument("--init", help="continue from this policy file (same actions and features)")
     p.add_argument("--synthetic-windows", type=int, default=0, help="online learning windows in the synthetic env")
@@ -68,6 +74,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--explore", action="store_true", help="serve with exploration (else the greedy choice)")
     p.add_argument("--initial-steps", type=int, help="the action to start with: its chain length")
     p.add_argument("--initial-stride", type=int, help="... and its stride")
+    p.add_argument("--initial-proposer", help="... and its proposer")
     p.add_argument("--alpha", type=float, help="bandit exploration scale")
     p.add_argument("--index", type=int, default=0, help="static: the action index")
     p.add_argument("--seed", type=int, default=0)
@@ -87,8 +94,12 @@ def main(argv=None) -> int:
             return 2
     if init is not None:
         actions, max_steps = init.actions, init.max_steps
-    elif args.steps or args.strides:
-        actions = action_grid(args.steps or [3], args.strides or [5])
+    elif args.steps or args.strides or args.proposers:
+        try:
+            actions = action_grid(args.steps or [3], args.strides or [5], args.proposers or ["drafter"])
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         max_steps = max(1, max(a.num_steps for a in actions))
     elif traces is not None:
         actions = sorted(traces.actions)
@@ -105,7 +116,7 @@ def main(argv=None) -> int:
         print(f"error: the synthetic environment's state has max_steps={synthetic.max_steps}", file=sys.stderr)
         return 2
 
-    dim = len(feature_names(max_steps))
+    dim = len(feature_names(max_steps, uses_suffix(actions)))
     if init is not None:
         policy = init.policy
     else:
@@ -148,8 +159,11 @@ def main(argv=None) -> int:
         matches = [a for a in actions if a.num_steps == args.initial_steps]
         if args.initial_stride is not None:
             matches = [a for a in matches if a.update_stride == args.initial_stride]
+        if args.initial_proposer is not None:
+            matches = [a for a in matches if a.proposer == args.initial_proposer]
         if not matches:
-            print("error: --initial-steps/--initial-stride is not an action of the set", file=sys.stderr)
+            message = "--initial-steps/--initial-stride/--initial-proposer is not an action of the set"
+            print(f"error: {message}", file=sys.stderr)
             return 2
         initial = matches[0]
     config = ControllerConfig(

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_tts.control.actions import Action
+from sglang_tts.control.actions import Action, uses_suffix
 from sglang_tts.control.cost import CostModel
 from sglang_tts.control.observation import Observation, StateTracker
 from sglang_tts.control.policy import ControllerPolicy
@@ -79,6 +79,8 @@ class _Window:
     position_sum: float = 0.0
     steps_sum: float = 0.0
     mismatched_rounds: int = 0
+    suffix_offer_sum: float = 0.0
+    suffix_rounds: int = 0
     losses: list[float] = field(default_factory=list)
 
 
@@ -89,7 +91,7 @@ class Controller:
         self.policy = policy
         self.config = config
         self.max_steps = int(max_steps)
-        self.tracker = StateTracker(self.max_steps, ema_alpha=config.ema_alpha)
+        self.tracker = StateTracker(self.max_steps, ema_alpha=config.ema_alpha, suffix=uses_suffix(policy.actions))
         too_long = [str(a) for a in policy.actions if a.num_steps > self.max_steps]
         if too_long:
             raise ValueError(f"actions {too_long} draft more than max_steps={self.max_steps} steps")
@@ -139,6 +141,9 @@ class Controller:
         w.mismatched_rounds += int(obs.num_steps != self.current.num_steps)
         if obs.tts_loss is not None and math.isfinite(obs.tts_loss):
             w.losses.append(float(obs.tts_loss))
+        if obs.suffix_offered is not None and math.isfinite(obs.suffix_offered):
+            w.suffix_offer_sum += float(obs.suffix_offered)
+            w.suffix_rounds += 1
         if self.config.cost_model is not None:
             w.predicted_seconds += self.config.cost_model.predict(
                 obs.num_steps, obs.batch_size, self.current.update_stride
@@ -193,6 +198,7 @@ class Controller:
                 "mean_accept_length": w.tokens / max(w.requests, 1),
                 "mismatched_rounds": w.mismatched_rounds,
                 "mean_tts_loss": float(np.mean(w.losses)) if w.losses else None,
+                "mean_suffix_offer": w.suffix_offer_sum / w.suffix_rounds if w.suffix_rounds else None,
             },
         }
 

@@ -5,7 +5,7 @@ state: Re-SpS's code feeds the mean-pooled EAGLE-3 features of the last accepted
 else (no load, no acceptance history); in a batched server the best draft budget depends mainly on
 load and on acceptance (SpecActor, Seer), and those are what this vector carries.
 
-Feature order (`feature_names(max_steps)`, M = max_steps; dim = 2 * M + 7):
+Feature order (`feature_names(max_steps, suffix)`, M = max_steps; dim = 2 * M + 7, + 2 with suffix):
 
     bias                     1.0
     accept_ema               EMA of the batch-mean accepted length (bonus incl.) / (M + 1), over
@@ -23,6 +23,10 @@ Feature order (`feature_names(max_steps)`, M = max_steps; dim = 2 * M + 7):
     log_tokens_1 .. _M       log(E_n) / log(M + 1), E_n = 1 + sum_{k<=n} prod_{j<=k} rate_j: expected
                              tokens per request per round at chain length n under the current rates
                              (RADAR's quantity; it makes log throughput nearly linear in the state)
+    suffix_offer             (suffix=True: action sets with the proposer axis) EMA of the share of the
+                             batch's requests the suffix proposer offered a chain of the rule's length
+    suffix_expected          EMA of the suffix proposer's expected accepted tokens per request / chain
+                             length (core/hybrid.py's per-request record; scored in every mode)
 
 All entries are finite and roughly in [0, 1]; features() returns a fresh float64 numpy array.
 """
@@ -49,6 +53,8 @@ class Observation:
     round_seconds: float  # wall time of this round (draft + verify + any barrier wait)
     update_seconds: float  # update time that ran on the serving path this round (sync/barrier wait), 0 otherwise
     tts_loss: float | None = None  # last TTS loss if known
+    suffix_offered: float | None = None  # share of the batch with a suffix chain offered (hybrid only)
+    suffix_expected: float | None = None  # suffix proposer's expected accepted tokens / chain length
 
     @property
     def tokens(self) -> int:
@@ -56,8 +62,12 @@ class Observation:
         return int(sum(self.accept_lengths))
 
 
-def feature_names(max_steps: int) -> list[str]:
-    """Names of the StateTracker features, in order (see the module docstring)."""
+SUFFIX_FEATURES = ("suffix_offer", "suffix_expected")
+
+
+def feature_names(max_steps: int, suffix: bool = False) -> list[str]:
+    """Names of the StateTracker features, in order (see the module docstring); `suffix`: with the
+    suffix proposer's two (an action set with the proposer axis)."""
     m = int(max_steps)
     return [
         "bias",
@@ -69,6 +79,7 @@ def feature_names(max_steps: int) -> list[str]:
         "loss_ema",
         "update_share",
         *[f"log_tokens_{k}" for k in range(1, m + 1)],
+        *(SUFFIX_FEATURES if suffix else ()),
     ]
 
 
@@ -104,6 +115,7 @@ class StateTracker:
     # than ema_alpha because one round of a small batch gives only a few Bernoulli samples per position.
     # None: 1 - ema_alpha / 4.
     rate_decay: float | None = None
+    suffix: bool = False  # carry the suffix proposer's features (SUFFIX_FEATURES)
     rounds: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
@@ -116,8 +128,10 @@ class StateTracker:
             self.rate_decay = 1.0 - self.ema_alpha / 4.0
         if not 0.0 < self.rate_decay <= 1.0:
             raise ValueError(f"StateTracker.rate_decay must be in (0, 1], got {self.rate_decay}")
-        self.names = feature_names(self.max_steps)
+        self.names = feature_names(self.max_steps, self.suffix)
         self._accept = _Ema(self.ema_alpha)
+        self._suffix_offer = _Ema(self.ema_alpha)
+        self._suffix_expected = _Ema(self.ema_alpha)
         self._loss = _Ema(self.ema_alpha)
         self._update_share = _Ema(self.ema_alpha)
         self._num = np.zeros(self.max_steps)  # decayed count of requests that accepted draft k
@@ -141,6 +155,9 @@ class StateTracker:
             self._update_share.update(share if math.isfinite(share) else 0.0)
         if obs.tts_loss is not None and math.isfinite(obs.tts_loss):
             self._loss.update(math.log1p(max(obs.tts_loss, 0.0)))
+        for ema, value in ((self._suffix_offer, obs.suffix_offered), (self._suffix_expected, obs.suffix_expected)):
+            if value is not None and math.isfinite(value):
+                ema.update(min(max(float(value), 0.0), 1.0))
         n = min(int(obs.num_steps), self.max_steps)
         if n <= 0:
             # No drafting, no evidence, but the old evidence ages: the rates drift back to the prior, so
@@ -177,7 +194,8 @@ class StateTracker:
             self._loss.get(0.0),
             self._update_share.get(0.0),
         ]
-        return np.concatenate((head, rates, middle, log_tokens)).astype(np.float64)
+        tail = [self._suffix_offer.get(0.0), self._suffix_expected.get(0.0)] if self.suffix else []
+        return np.concatenate((head, rates, middle, log_tokens, tail)).astype(np.float64)
 
     # Position of a feature by name (policies or tools that read single features).
     def index(self, name: str) -> int:

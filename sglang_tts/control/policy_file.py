@@ -4,9 +4,10 @@ One JSON object:
 
     {"format": "sglang-tts-controller-policy", "version": 1,
      "kind": "linucb" | "thompson" | "softmax" | "static" | "round_robin" | "uniform",
-     "max_steps": M,                      # the state's size: feature_names(M)
-     "feature_names": [...],              # must equal this version's feature_names(M)
-     "actions": [{"num_steps": n, "update_stride": S}, ...],
+     "max_steps": M,                      # the state's size: feature_names(M, suffix)
+     "feature_names": [...],              # must equal this version's feature_names(M, suffix)
+     "actions": [{"num_steps": n, "update_stride": S}, ...],   # + "proposer" where not "drafter";
+                                          # suffix = any action has one (actions.uses_suffix)
      "controller": {"persistence": 8, "explore": false, "reward": "tokens_per_second",
                     "cost_model": null, "initial_action": null, "ema_alpha": 0.2},
      "state": {...},                      # the policy's state_dict()
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sglang_tts.control.actions import Action
+from sglang_tts.control.actions import Action, uses_suffix
 from sglang_tts.control.controller import Controller, ControllerConfig
 from sglang_tts.control.cost import CostModel
 from sglang_tts.control.observation import feature_names
@@ -93,7 +94,7 @@ def policy_document(
         "version": POLICY_VERSION,
         "kind": kind,
         "max_steps": int(max_steps),
-        "feature_names": feature_names(max_steps),
+        "feature_names": feature_names(max_steps, uses_suffix(policy.actions)),
         "actions": [a.to_dict() for a in policy.actions],
         "controller": controller_settings(config),
         "state": policy.state_dict(),
@@ -186,7 +187,7 @@ def load_document(document: Any, source: str) -> PolicyBundle:
     longest = max(a.num_steps for a in actions)
     if longest > max_steps:
         raise fail(f"an action drafts {longest} steps but the state covers max_steps={max_steps}")
-    expected_names = feature_names(max_steps)
+    expected_names = feature_names(max_steps, uses_suffix(actions))
     if document["feature_names"] != expected_names:
         raise fail(
             f"its state features {document['feature_names']} do not match this version's "

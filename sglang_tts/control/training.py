@@ -168,9 +168,19 @@ def static_grid(traces: TraceSet) -> dict[str, Any]:
     return grid
 
 
+def _offer_bucket(offer: Any) -> str | None:
+    """The suffix proposer's offer share of a window, in thirds (None: a window without the hybrid)."""
+    if offer is None:
+        return None
+    offer = float(offer)
+    return "offer<1/3" if offer < 1 / 3 else ("offer<2/3" if offer < 2 / 3 else "offer>=2/3")
+
+
 def context_headroom(traces: TraceSet, static: str | None = None, position_bucket: int = 256, min_windows: int = 3):
     """How much a policy that chooses by context could gain over the best static action, from logged
-    windows: contexts are batch-size bucket x output-position bucket (``position_bucket`` tokens); in
+    windows: contexts are batch-size bucket x output-position bucket (``position_bucket`` tokens), x
+    the share of requests the suffix proposer offered a chain (thirds) where the windows carry it
+    (hybrid traces; the offers depend on the text only, not on who drafted); in
     each, the pooled tokens/s of every action with at least ``min_windows`` windows, the best of
     them, and its ratio to the static action (``static``, by default static_grid's overall best).
     ``"overall"`` and each batch bucket's ``"ratio"``: the geometric mean of the per-context ratios,
@@ -185,18 +195,19 @@ def context_headroom(traces: TraceSet, static: str | None = None, position_bucke
 
     def context(w):
         position = int(float(w["mean_output_position"]) // position_bucket) * position_bucket
-        return _bucket(float(w["mean_batch_size"])), position
+        return _bucket(float(w["mean_batch_size"])), position, _offer_bucket(w.get("mean_suffix_offer"))
 
     totals = _pooled_windows(traces, context)
     contexts = []
-    for label, position in sorted(totals, key=lambda key: (_BUCKET_ORDER[key[0]], key[1])):
-        cells = totals[(label, position)]
+    for label, position, offer in sorted(totals, key=lambda key: (_BUCKET_ORDER[key[0]], key[1], key[2] or "")):
+        cells = totals[(label, position, offer)]
         rates = {str(a): t / s for a, (t, s, n) in cells.items() if n >= min_windows}
         if static not in rates:
             continue
         best = max(rates, key=rates.__getitem__)
         contexts.append({
-            "batch": label, "position": position, "windows": int(sum(n for _, _, n in cells.values())),
+            "batch": label, "position": position, **({"suffix_offer": offer} if offer is not None else {}),
+            "windows": int(sum(n for _, _, n in cells.values())),
             "best": best, "best_tokens_per_s": rates[best], "static_tokens_per_s": rates[static],
             "ratio": rates[best] / rates[static],
         })  # fmt: skip

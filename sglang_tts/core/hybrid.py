@@ -16,6 +16,14 @@ suffix proposer's expected accepted tokens on this request are at least the draf
 A new request starts from the averages over all requests (priors), so the first rounds of a
 request that copies its prompt already use the suffix proposer when it has been good elsewhere.
 
+Three modes, per round (the RL controller's proposer action picks one per window; without a
+controller the mode is HYBRID):
+- HYBRID: the rule above;
+- DRAFTER: the drafter's chain for every request (the suffix offers are still scored, so the
+  expectations stay current for when the mode changes back);
+- SUFFIX: the suffix chain for every request, however short (0-padded; the drafter's steps do not
+  run at all), as SGLang's NGRAM drafts.
+
 Host ints only: the worker feeds committed tokens it already has on the host.
 """
 
@@ -27,6 +35,8 @@ from dataclasses import dataclass, field
 SUFFIX = "suffix"
 DRAFTER = "drafter"
 PROPOSERS = (SUFFIX, DRAFTER)
+HYBRID = "hybrid"
+MODES = (DRAFTER, HYBRID, SUFFIX)  # who drafts a round: the drafter, the rule, the suffix proposer
 
 
 def common_prefix(proposal: Sequence[int], committed: Sequence[int]) -> int:
@@ -81,20 +91,35 @@ class HybridChooser:
         state.expected[proposer] = (1 - d) * state.expected[proposer] + d * tokens
         self.prior[proposer] = (1 - d / 4) * self.prior[proposer] + d / 4 * tokens
 
-    def choose(self, rid: str, suffix_chain: Sequence[int], committed: Sequence[int]) -> bool:
+    def choose(
+        self,
+        rid: str,
+        suffix_chain: Sequence[int],
+        committed: Sequence[int],
+        mode: str = HYBRID,
+        min_match: int | None = None,
+    ) -> bool:
         """This round of request `rid`: True to verify `suffix_chain` (the suffix proposer's tokens),
         False for the drafter's. `committed`: the request's output tokens so far (host ints); the
         tokens after the length recorded last round are that round's commits, which score the
-        suffix proposer's last offer when the drafter drafted."""
+        suffix proposer's last offer when the drafter drafted. `mode`: MODES (module docstring);
+        `min_match`: the rule's shortest chain for this round (a shorter chain length than the
+        rule's `steps`: at most that length), default the rule's."""
+        if mode not in MODES:
+            raise ValueError(f"hybrid mode must be one of {MODES}, got {mode!r}")
+        need = self.rule.min_match if min_match is None else min(max(int(min_match), 1), self.rule.min_match)
         state = self._state(rid)
         if state.committed_at >= 0 and state.choice == DRAFTER and state.proposal:
             new = committed[state.committed_at :]
             if new:
                 self._learn(state, SUFFIX, common_prefix(state.proposal, new))
-        offered = len(suffix_chain) >= self.rule.min_match
+        offered = len(suffix_chain) >= need
         state.proposal = tuple(suffix_chain) if offered else ()
         state.committed_at = len(committed)
-        take = offered and state.expected[SUFFIX] >= state.expected[DRAFTER] - self.rule.margin
+        if mode == HYBRID:
+            take = offered and state.expected[SUFFIX] >= state.expected[DRAFTER] - self.rule.margin
+        else:
+            take = mode == SUFFIX
         state.choice = SUFFIX if take else DRAFTER
         return take
 
@@ -122,6 +147,11 @@ class HybridChooser:
         if proposer == SUFFIX:
             state.proposal = ()  # learned from the exact count: not again from the commits
         return proposer
+
+    def expected(self, rid: str) -> float:
+        """The suffix proposer's expected accepted tokens on `rid` (the prior for a new request)."""
+        state = self.requests.get(rid)
+        return (state.expected if state is not None else self.prior)[SUFFIX]
 
     def counts(self, rid: str) -> tuple[dict[str, int], dict[str, int]] | None:
         state = self.requests.get(rid)

@@ -16,7 +16,9 @@ scheduler once accept lengths are on CPU). TTS uses that machinery as is:
 - in the worker, `ControlledSteps` replaces the adaptive policy: it turns each verify into an
   Observation (round time measured between verify completions, TTS time on the serving path, TTS
   loss, output position), feeds the Controller, and applies the chosen action: the chain length
-  through SGLang's state switch, the update stride through `Distiller.set_update_stride`.
+  through SGLang's state switch, the update stride through `Distiller.set_update_stride`, and
+  (a policy with the proposer axis, `--tts-hybrid on`) who drafts through `HybridDrafting.set_mode`;
+  the hybrid's offers of the round (sglang/hybrid.py RoundOffer) go into the Observation.
 
 Decisions depend on measured time, so they could differ between tensor-parallel ranks: the
 controller runs with one rank only (tp = pp = 1, no attention DP).
@@ -33,7 +35,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sglang_tts.control.actions import Action
+from sglang_tts.control.actions import Action, uses_suffix
 from sglang_tts.control.controller import Controller
 from sglang_tts.control.observation import Observation
 from sglang_tts.control.policy_file import PolicyBundle, PolicyFileError, load_policy
@@ -54,6 +56,11 @@ def prepare_launch(server_args, config, kind: str, error: type[Exception]) -> Po
     except PolicyFileError as e:
         raise error(f"--tts-controller: {e}") from None
     candidates = sorted({a.num_steps for a in bundle.actions})
+    if uses_suffix(bundle.actions) and not config.hybrid:
+        raise error(
+            f"--tts-controller {config.controller} chooses the proposer (hybrid / suffix actions): "
+            "it needs --tts-hybrid on"
+        )
 
     def arg(name):
         return getattr(server_args, name, None)
@@ -148,6 +155,9 @@ class ControlledSteps:
         # Served decisions go to the trace file as they are made: memory keeps only the latest.
         controller.keep_trace(1 if trace_path else 0)
         self._set_stride = set_stride
+        # Who drafts (HybridDrafting.set_mode): set by the worker when the hybrid is on and the policy
+        # has the proposer axis; otherwise the proposer field is not applied.
+        self.set_proposer: Callable[[str], None] | None = None
         self._cuda_graph_bs: list[int] | None = None
         self._rounds: deque[dict[str, Any]] = deque(maxlen=8)
         self._forward_seq = 0
@@ -202,6 +212,8 @@ class ControlledSteps:
             round_seconds=float(seconds),
             update_seconds=float(info.get("tts_seconds", 0.0)),
             tts_loss=info.get("tts_loss"),
+            suffix_offered=info.get("suffix_offered"),
+            suffix_expected=info.get("suffix_expected"),
         )
         before = self.controller.current
         action = self.controller.observe(obs)
@@ -212,14 +224,29 @@ class ControlledSteps:
             self.switches += 1
             logger.info("sglang-tts: controller %s -> %s", before, action)
         self._set_stride(action.update_stride)
+        self.apply_proposer()
         return action.num_steps
+
+    def apply_proposer(self) -> None:
+        """Hand the current action's proposer to the hybrid (a policy without the axis: nothing)."""
+        if self.set_proposer is not None and uses_suffix(self.controller.policy.actions):
+            self.set_proposer(self.controller.current.proposer)
 
     # --- fed by the worker ----------------------------------------------------------------------
 
     def forward_started(self) -> None:
         self._forward_seq += 1
 
-    def round_done(self, num_steps: int, forward_seconds: float, tts_seconds: float, output_position: float, tts_loss):
+    def round_done(
+        self,
+        num_steps: int,
+        forward_seconds: float,
+        tts_seconds: float,
+        output_position: float,
+        tts_loss: float | None,
+        suffix_offered: float | None = None,
+        suffix_expected: float | None = None,
+    ) -> None:
         self._rounds.append(
             {
                 "seq": self._forward_seq,
@@ -228,6 +255,8 @@ class ControlledSteps:
                 "tts_seconds": tts_seconds,
                 "output_position": output_position,
                 "tts_loss": tts_loss,
+                "suffix_offered": suffix_offered,
+                "suffix_expected": suffix_expected,
             }
         )
 

@@ -121,7 +121,8 @@ def check_parallelism(server_args) -> None:
 
 
 def check_hybrid(server_args, config, kind: str) -> None:
-    """--tts-hybrid on: EAGLE-3 chains, verified by SGLang's target-only rule, a fixed chain length."""
+    """--tts-hybrid on: EAGLE-3 chains, verified by SGLang's target-only rule (a controller may move
+    the chain length and choose the proposer: adaptive_steps.py)."""
     problems = []
     if kind != "eagle3":
         problems.append(f"an EAGLE-3 drafter (got a {kind} drafter)")
@@ -130,8 +131,6 @@ def check_hybrid(server_args, config, kind: str) -> None:
         problems.append(f"--speculative-eagle-topk 1 (a chain), got {topk}")
     if getattr(server_args, "speculative_use_rejection_sampling", False):
         problems.append("no --speculative-use-rejection-sampling (a suffix chain has no draft distribution)")
-    if config.controller is not None:
-        problems.append("no --tts-controller (the controller moves the chain length; not combined yet)")
     if problems:
         raise TTSLaunchError("--tts-hybrid on needs " + "; ".join(problems))
 

@@ -59,6 +59,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
         ]
         self.tts_controller = self._install_controller(config) if config.controller is not None else None
         self.tts_hybrid = self._install_hybrid(config) if config.hybrid else None
+        if self.tts_controller is not None and self.tts_hybrid is not None:
+            self.tts_controller.set_proposer = self.tts_hybrid.set_mode  # a policy with the proposer axis
+            self.tts_controller.apply_proposer()
         logger.info("sglang-tts: TTS on EAGLE-3 (%s)", self.tts.describe())
 
     # --- SGLang entry points --------------------------------------------------------------------
@@ -102,12 +105,15 @@ class TTSEagleWorker(EAGLEWorkerV2):
 
     def _controller_round_done(self, control, batch, start: float) -> None:
         loss = self.tts.distiller.stats.last_loss
+        offer = self.tts_hybrid.last_offer if self.tts_hybrid is not None else None
         control.round_done(
             num_steps=self.speculative_num_steps,
             forward_seconds=time.perf_counter() - start,
             tts_seconds=self._tts_round_seconds,
             output_position=sum(len(req.output_ids) for req in batch.reqs) / max(len(batch.reqs), 1),
             tts_loss=loss if math.isfinite(loss) else None,
+            suffix_offered=offer.offered if offer is not None else None,
+            suffix_expected=offer.expected if offer is not None else None,
         )
 
     def _install_controller(self, config):
@@ -151,7 +157,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
             problems.append("no --speculative-use-rejection-sampling (a suffix chain has no draft distribution)")
         if problems:
             raise RuntimeError("--tts-hybrid on needs " + "; ".join(problems))
-        steps = self.speculative_num_steps
+        # The longest chain a round may draft: the controller's longest, else the launch's.
+        control = self.tts_controller
+        steps = max(control.candidate_steps) if control is not None else self.speculative_num_steps
         rule = HybridRule(steps, min_match=config.hybrid_min_match, margin=config.hybrid_margin)
         hybrid = HybridDrafting(steps, rule, self.device)
         hybrid.install(self.draft_worker)

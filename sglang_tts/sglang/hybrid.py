@@ -11,6 +11,11 @@ the verify, its CUDA graph and the acceptance rule are untouched. Greedy output 
 whatever was proposed; sampled verification with the default target-only rule stays exact for a
 deterministic proposal (the suffix chain depends on the context only).
 
+The chain length may move between rounds (the RL controller switches SGLang's adaptive states):
+the proposer looks up chains of the longest length (`steps`, the rule's) and each round takes the
+first `round steps` tokens; the rule's shortest chain is capped at the round's length. The
+controller's proposer action sets `mode` (core/hybrid.py MODES); otherwise it stays HYBRID.
+
 The committed tokens are read from `req.output_ids` on the host, which requires the scheduler
 without overlap (SGLang's own NGRAM reads them the same way); the worker refuses otherwise.
 """
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule
+from sglang_tts.core.hybrid import DRAFTER, HYBRID, MODES, SUFFIX, HybridChooser, HybridRule
 from sglang_tts.sglang.suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
@@ -62,9 +67,17 @@ def _tail(req, n: int) -> tuple[list[int], int]:
     return tail, len(prompt) + len(output)
 
 
+@dataclass
+class RoundOffer:
+    """What the suffix proposer offered a decode round, for the controller's state (host floats)."""
+
+    offered: float  # share of the batch's requests with a chain of at least the rule's min match
+    expected: float  # mean over the batch of the suffix proposer's expected accepted tokens / round steps
+
+
 class HybridDrafting:
     def __init__(self, steps: int, rule: HybridRule, device, proposer: SuffixProposer | None = None) -> None:
-        self.steps = steps
+        self.steps = steps  # the longest chain (the rule's); a round may draft fewer
         self.device = torch.device(device)
         self.proposer = proposer if proposer is not None else SuffixProposer(steps)
         self.chooser = HybridChooser(rule)
@@ -72,6 +85,13 @@ class HybridDrafting:
         self._prompted: set[str] = set()  # requests whose prompt is in the trie (live ones only)
         self.split = os.environ.get(SPLIT_ENV, "0") == "1"
         self.skipped_drafts = 0  # rounds whose drafter steps did not run (every request took its suffix)
+        self.mode = HYBRID  # MODES; the controller's proposer action sets it
+        self.last_offer: RoundOffer | None = None  # the latest decode round's
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"hybrid mode must be one of {MODES}, got {mode!r}")
+        self.mode = mode
 
     def reset(self) -> None:
         """Forget everything: the trie, the per-request state and what other requests taught (a cache flush)."""
@@ -89,25 +109,34 @@ class HybridDrafting:
         self.proposer.add_prompts([req.origin_input_ids_unpadded for req in new])
 
     def plan_round(self, reqs, steps: int) -> RoundPlan:
-        """Before the draft of a decode round: who verifies the suffix chain."""
+        """Before the draft of a decode round of `steps` drafted tokens: who verifies the suffix chain."""
         rids = [req.rid for req in reqs]
-        if steps != self.steps:  # the drafter's chain length moved (adaptive steps): drafter only
+        self.last_offer = None
+        if not 1 <= steps <= self.steps:  # longer than the proposer's chains (never with a checked launch)
             for rid, req in zip(rids, reqs):
                 self.chooser.drafter_only(rid, req.output_ids)
             self.plan = RoundPlan(rids, [False] * len(reqs), None, None)
             return self.plan
         tails, lengths = zip(*(_tail(req, self.proposer.depth) for req in reqs))
         self.proposer.observe(tails)  # the last round's commits: the newest n-grams of the batch
-        chains = self.proposer.propose(rids, tails, lengths)
-        use = [self.chooser.choose(rid, chain, req.output_ids) for rid, chain, req in zip(rids, chains, reqs)]
+        chains = [chain[:steps] for chain in self.proposer.propose(rids, tails, lengths)]
+        need = min(self.chooser.rule.min_match, steps)
+        use = [
+            self.chooser.choose(rid, chain, req.output_ids, self.mode, need)
+            for rid, chain, req in zip(rids, chains, reqs)
+        ]
         if self.split:
             use = [zlib.crc32(rid.encode()) % 2 == 0 for rid in rids]
             for rid, u in zip(rids, use):
                 self.chooser.requests[rid].choice = SUFFIX if u else DRAFTER
+        self.last_offer = RoundOffer(
+            offered=sum(len(chain) >= need for chain in chains) / len(chains),
+            expected=sum(min(self.chooser.expected(rid), steps) for rid in rids) / (len(rids) * steps),
+        )
         tokens = mask = None
         if any(use):
-            pad = [0] * self.steps
-            rows = [(chain + pad)[: self.steps] if u else pad for chain, u in zip(chains, use)]
+            pad = [0] * steps
+            rows = [(chain + pad)[:steps] if u else pad for chain, u in zip(chains, use)]
             tokens = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
             mask = torch.tensor(use, dtype=torch.bool).view(-1, 1).to(self.device, non_blocking=True)
         self.plan = RoundPlan(rids, use, tokens, mask)

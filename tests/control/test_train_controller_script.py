@@ -59,3 +59,16 @@ def test_synthetic_training_and_bad_inputs(script, tmp_path, capsys):
     assert script.main(["--init", str(bad), "--out", str(tmp_path / "x.json")]) == 2
     assert "not valid JSON" in capsys.readouterr().err
     assert script.main(["--kind", "linucb", "--steps", "1", "--reward", "cost_model", "--out", str(out)]) == 2
+
+
+def test_a_logging_policy_over_proposers(script, tmp_path, capsys):
+    out = tmp_path / "log.json"
+    argv = ["--kind", "uniform", "--steps", "0,3", "--strides", "8", "--proposers", "drafter,suffix", "--out", str(out)]
+    assert script.main([*argv, "--initial-steps", "3", "--initial-proposer", "suffix"]) == 0
+    bundle = load_policy(out)
+    assert bundle.actions == [Action(0, 8), Action(3, 8), Action(3, 8, "suffix")]
+    assert bundle.config.initial_action == Action(3, 8, "suffix")
+    assert bundle.make_controller().tracker.names[-2:] == ["suffix_offer", "suffix_expected"]
+    capsys.readouterr()
+    assert script.main(["--kind", "uniform", "--proposers", "ngram", "--out", str(tmp_path / "x.json")]) == 2
+    assert "unknown proposers" in capsys.readouterr().err

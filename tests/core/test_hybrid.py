@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule, common_prefix
 
 
@@ -85,3 +87,28 @@ def test_state_is_per_live_request():
     chooser.forget("never-seen")
     assert chooser.requests == {}
     assert chooser.accepted("a", 1) is None
+
+
+def test_the_drafter_mode_drafts_every_round_and_still_scores_the_suffix_offers():
+    chooser = HybridChooser(HybridRule(steps=3))
+    output = [1, 2]
+    for _ in range(3):  # every offer would have been accepted whole
+        assert not chooser.choose("r", [9, 10, 11], output, mode="drafter")
+        chooser.accepted("r", 0)
+        output = [*output, 9, 10, 11, 12]
+    chooser.choose("r", [], output, mode="drafter")  # scores the last offer
+    assert chooser.expected("r") > 2.0 and chooser.counts("r")[0][SUFFIX] == 0
+    assert chooser.choose("r", [9, 10, 11], output)  # back in the rule's hands: the suffix chain
+
+
+def test_the_suffix_mode_takes_any_chain_and_a_round_may_be_shorter():
+    chooser = HybridChooser(HybridRule(steps=3), prior_suffix=0.0, prior_drafter=5.0)
+    assert chooser.choose("r", [], [1], mode="suffix")  # nothing offered: an empty (0-padded) chain
+    chooser.accepted("r", 0)
+    assert not chooser.choose("r", [7, 8], [1, 2])  # the rule: shorter than the chain of 3
+    chooser.accepted("r", 0)
+    rule_min = HybridChooser(HybridRule(steps=3), prior_suffix=5.0)
+    assert rule_min.choose("r", [7, 8], [1], min_match=2)  # a round of 2 steps: a chain of 2 is whole
+    assert rule_min.expected("new") == 5.0  # a request not seen yet: the prior
+    with pytest.raises(ValueError, match="hybrid mode"):
+        rule_min.choose("r", [7], [1], mode="ngram")

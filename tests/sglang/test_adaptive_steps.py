@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from sglang_tts.control import Action, Controller, ControllerConfig, feature_names, make_policy, read_trace
 from sglang_tts.sglang.adaptive_steps import ControlledSteps
 
@@ -79,3 +81,28 @@ def test_a_served_trace_goes_to_its_file_and_memory_keeps_only_the_latest_record
     for _ in range(5):
         _round(untraced, [1], untraced.get_steps_for_batch(1))
     assert len(untraced.controller.trace) == 0
+
+
+def test_the_proposer_reaches_the_hybrid_and_the_offers_reach_the_state(tmp_path):
+    actions = [Action(3, 4, "hybrid"), Action(1, 4, "suffix"), Action(3, 4)]
+    policy = make_policy("round_robin", actions, len(feature_names(3, suffix=True)))
+    adapter = ControlledSteps(Controller(policy, ControllerConfig(persistence=1), 3), lambda stride: None,
+                              str(tmp_path / "trace.jsonl"))  # fmt: skip
+    modes = []
+    adapter.set_proposer = modes.append
+    adapter.apply_proposer()
+    for offered in (1.0, 0.5):
+        adapter.forward_started()
+        adapter.round_done(3, 0.5, 0.0, 7.0, None, suffix_offered=offered, suffix_expected=0.8)
+        adapter.on_verify_complete([3], 1)
+    assert modes == ["hybrid", "suffix", "drafter"]
+    _, records = read_trace(tmp_path / "trace.jsonl")
+    assert [r["window"]["mean_suffix_offer"] for r in records] == [1.0, 0.5]
+    tracker = adapter.controller.tracker
+    assert tracker.features()[tracker.index("suffix_expected")] == pytest.approx(0.8)
+    # a policy without the axis never touches the hybrid's mode (its rule decides)
+    plain = ControlledSteps(Controller(make_policy("round_robin", ACTIONS, len(feature_names(3))),
+                                       ControllerConfig(persistence=1), 3), lambda stride: None)  # fmt: skip
+    plain.set_proposer = modes.append
+    plain.apply_proposer()
+    assert modes == ["hybrid", "suffix", "drafter"]

@@ -127,3 +127,18 @@ def test_the_adaptive_reason_hook_answers_for_tts_as_for_its_builtin():
     assert "only EAGLE/EAGLE3" in adaptive_unsupported_reason(args("TTS", topk=2))
     # Through the hook TTS passes the name check, and SGLang's other conditions still apply.
     assert "only topk=1" in hook(adaptive_unsupported_reason, args("TTS", topk=2))
+
+
+def test_a_policy_that_chooses_the_proposer_needs_the_hybrid(tiny_llama, eagle3, tmp_path, monkeypatch):
+    from sglang_tts.control import action_grid
+
+    actions = action_grid([1, 3], [4], ["drafter", "suffix"])
+    policy = make_policy("linucb", actions, len(feature_names(3, suffix=True)))
+    path = save_policy(tmp_path / "proposer.json", policy, ControllerConfig(persistence=4, explore=False))
+    _with_controller(monkeypatch, path)
+    with pytest.raises(TTSLaunchError, match="chooses the proposer .* needs --tts-hybrid on"):
+        validate_server_args(_args(tiny_llama, eagle3, speculative_num_steps=3))
+    monkeypatch.setenv(ENV_VAR, json.dumps({"controller": str(path), "hybrid": True}))
+    args = _args(tiny_llama, eagle3, speculative_num_steps=3)
+    validate_server_args(args)
+    assert args.speculative_adaptive is True and args.speculative_eagle_topk == 1

@@ -102,3 +102,33 @@ def test_hybrid_refuses_a_tree_at_launch(loopy_llama, loopy_eagle3):
     out = subprocess.run([*cmd, *args, "--tts-hybrid", "on"], capture_output=True, text=True, timeout=300)
     assert out.returncode != 0
     assert "--tts-hybrid on needs --speculative-eagle-topk 1 (a chain), got 2" in out.stdout + out.stderr
+
+
+def test_a_controller_that_chooses_the_proposer_and_the_chain_stays_lossless(loopy_llama, loopy_eagle3, tmp_path):
+    """Scripted windows of 3 rounds: the suffix proposer alone at chain 3, the rule at chain 1, the drafter
+    alone at chain 3. Each mode must really draft its windows, and the output stay the target's."""
+    from sglang_tts.control import Action, ControllerConfig, feature_names, make_policy, read_trace, save_policy
+
+    actions = [Action(3, 2, "suffix"), Action(1, 2, "hybrid"), Action(3, 2, "drafter")]
+    policy = make_policy("round_robin", actions, len(feature_names(3, suffix=True)))
+    path = save_policy(tmp_path / "policy.json", policy, ControllerConfig(persistence=3))
+    trace = tmp_path / "trace.jsonl"
+    controller = ["--tts-controller", str(path), "--tts-controller-trace", str(trace)]
+    args = _args(loopy_eagle3, "--tts-hybrid", "on", *controller)
+    with sglang_server(str(loopy_llama), args) as server:
+        results = [_run(server, p) for p in PROMPTS]
+        log = server.log_path.read_text(errors="replace")
+    assert "Switch adaptive runtime state" in log
+    for prompt, out in zip(PROMPTS, results):
+        assert out["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        meta = out["meta_info"]
+        rounds = meta["spec_verify_ct"]
+        assert meta["tts_suffix_rounds"] + meta["tts_drafter_rounds"] == rounds
+        # a third of the windows each: the rule alone would give the cycle to the suffix proposer
+        assert meta["tts_drafter_rounds"] >= 0.25 * rounds and meta["tts_suffix_rounds"] >= 0.25 * rounds
+        assert meta["tts_failures"] == 0 and meta["tts_num_updates"] > 0
+    header, records = read_trace(trace)
+    assert header["feature_names"][-2:] == ["suffix_offer", "suffix_expected"]
+    assert [Action.from_dict(r["action"]).proposer for r in records[:3]] == ["suffix", "hybrid", "drafter"]
+    assert all(r["window"]["mean_suffix_offer"] is not None for r in records)
+    assert max(r["window"]["mean_suffix_offer"] for r in records) > 0.5  # the cycle is offered

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from sglang_tts.core.hybrid import HybridRule
@@ -103,7 +104,29 @@ def test_the_draft_hook_merges_rows_and_skips_the_drafter_when_every_request_tak
     assert parents.shape[0] == 1 and scores.tolist() == [[0, 1, 2]]
     hybrid.round_done()
     assert worker.draft_forward(_Batch())[2].shape == (2, 3)  # no plan: SGLang's draft as it is
-    hybrid.plan_round(reqs, steps=5)  # the chain length moved: the drafter drafts
-    assert hybrid.plan.use_suffix == [False, False]
+    hybrid.plan_round(reqs, steps=5)  # longer than the proposer's chains: the drafter drafts
+    assert hybrid.plan.use_suffix == [False, False] and hybrid.last_offer is None
     hybrid.forget(["a", "b"])
     assert hybrid.chooser.requests == {} and hybrid._prompted == set()
+
+
+def test_a_shorter_round_takes_the_chains_head_and_the_modes_decide_who_drafts():
+    """A controller moves the chain length (2 of the hybrid's 3) and sets the mode per window."""
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    hybrid = HybridDrafting(3, HybridRule(3, margin=10.0), "cpu")
+    hybrid.on_prefill([_Req("a", prompt, []), _Req("b", [20, 21, 22, 23], [])])
+    reqs = [_Req("a", prompt, [4, 5]), _Req("b", [20, 21, 22, 23], [30])]
+    plan = hybrid.plan_round(reqs, steps=2)
+    assert plan.use_suffix == [True, False] and plan.tokens.tolist() == [[6, 7], [0, 0]]
+    assert hybrid.last_offer.offered == 0.5
+    hybrid.round_done()
+    hybrid.set_mode("drafter")
+    assert hybrid.plan_round(reqs, steps=3).use_suffix == [False, False]
+    hybrid.round_done()
+    hybrid.set_mode("suffix")
+    plan = hybrid.plan_round(reqs, steps=3)
+    assert plan.all_suffix and plan.tokens.tolist() == [[6, 7, 8], [0, 0, 0]]  # "b": an empty chain
+    hybrid.reset()
+    assert hybrid.mode == "suffix"  # a cache flush keeps the controller's choice
+    with pytest.raises(ValueError, match="hybrid mode"):
+        hybrid.set_mode("ngram")
