@@ -122,15 +122,15 @@ _BUCKET_ORDER = {label: i for i, (label, _, _) in enumerate(BATCH_BUCKETS)}
 
 
 def _pooled_windows(traces: TraceSet, context: Callable[[dict[str, Any]], Any]) -> dict[Any, dict[Action, list[float]]]:
-    """Per context (``context(window)``) and action: [sum of tokens, sum of seconds, windows] of the
+    """Per context (``context(record)``) and action: [sum of tokens, sum of seconds, windows] of the
     logged windows. Records without the needed fields or with no measured time are left out."""
     totals: dict[Any, dict[Action, list[float]]] = {}
     for record in traces.records:
         try:
             action = Action.from_dict(record["action"])
             w = record["window"]
-            tokens, seconds, key = float(w["tokens"]), float(w["seconds"]), context(w)
-        except (KeyError, TypeError, ValueError):
+            tokens, seconds, key = float(w["tokens"]), float(w["seconds"]), context(record)
+        except (KeyError, TypeError, ValueError, IndexError):
             continue
         if not seconds > 0:
             continue
@@ -148,7 +148,7 @@ def static_grid(traces: TraceSet) -> dict[str, Any]:
     ran, and the best. With a uniform logging policy every action is tried in the same mix of states,
     so this compares actions on equal terms; it measures each action's immediate throughput (a stride's
     later effect on acceptance is shared by the windows that follow it)."""
-    totals = _pooled_windows(traces, lambda w: _bucket(float(w["mean_batch_size"])))
+    totals = _pooled_windows(traces, lambda record: _bucket(float(record["window"]["mean_batch_size"])))
     grid: dict[str, Any] = {}
     for label in sorted(totals, key=_BUCKET_ORDER.__getitem__):
         cells = {a: {"windows": int(n), "tokens_per_s": t / s} for a, (t, s, n) in sorted(totals[label].items())}
@@ -168,19 +168,15 @@ def static_grid(traces: TraceSet) -> dict[str, Any]:
     return grid
 
 
-def _offer_bucket(offer: Any) -> str | None:
-    """The suffix proposer's offer share of a window, in thirds (None: a window without the hybrid)."""
-    if offer is None:
-        return None
-    offer = float(offer)
-    return "offer<1/3" if offer < 1 / 3 else ("offer<2/3" if offer < 2 / 3 else "offer>=2/3")
+def _thirds(value: float) -> str:
+    return "<1/3" if value < 1 / 3 else ("<2/3" if value < 2 / 3 else ">=2/3")
 
 
 def context_headroom(traces: TraceSet, static: str | None = None, position_bucket: int = 256, min_windows: int = 3):
     """How much a policy that chooses by context could gain over the best static action, from logged
     windows: contexts are batch-size bucket x output-position bucket (``position_bucket`` tokens), x
-    the share of requests the suffix proposer offered a chain (thirds) where the windows carry it
-    (hybrid traces; the offers depend on the text only, not on who drafted); in
+    the suffix proposer's record at the decision (the state feature ``suffix_expected``, in thirds;
+    hybrid traces only); in
     each, the pooled tokens/s of every action with at least ``min_windows`` windows, the best of
     them, and its ratio to the static action (``static``, by default static_grid's overall best).
     ``"overall"`` and each batch bucket's ``"ratio"``: the geometric mean of the per-context ratios,
@@ -192,21 +188,25 @@ def context_headroom(traces: TraceSet, static: str | None = None, position_bucke
         if overall is None:
             return {}
         static = overall["best"]
+    names = traces.feature_names
+    suffix_at = names.index("suffix_expected") if "suffix_expected" in names else None
 
-    def context(w):
+    def context(record):
+        w = record["window"]
         position = int(float(w["mean_output_position"]) // position_bucket) * position_bucket
-        return _bucket(float(w["mean_batch_size"])), position, _offer_bucket(w.get("mean_suffix_offer"))
+        suffix = None if suffix_at is None else "suffix" + _thirds(float(record["features"][suffix_at]))
+        return _bucket(float(w["mean_batch_size"])), position, suffix
 
     totals = _pooled_windows(traces, context)
     contexts = []
-    for label, position, offer in sorted(totals, key=lambda key: (_BUCKET_ORDER[key[0]], key[1], key[2] or "")):
-        cells = totals[(label, position, offer)]
+    for label, position, suffix in sorted(totals, key=lambda key: (_BUCKET_ORDER[key[0]], key[1], key[2] or "")):
+        cells = totals[(label, position, suffix)]
         rates = {str(a): t / s for a, (t, s, n) in cells.items() if n >= min_windows}
         if static not in rates:
             continue
         best = max(rates, key=rates.__getitem__)
         contexts.append({
-            "batch": label, "position": position, **({"suffix_offer": offer} if offer is not None else {}),
+            "batch": label, "position": position, **({"suffix": suffix} if suffix is not None else {}),
             "windows": int(sum(n for _, _, n in cells.values())),
             "best": best, "best_tokens_per_s": rates[best], "static_tokens_per_s": rates[static],
             "ratio": rates[best] / rates[static],

@@ -114,25 +114,28 @@ def _trace(path, actions, records):
     return path
 
 
-def test_headroom_splits_contexts_by_how_often_the_suffix_proposer_offers(tmp_path):
+def test_headroom_splits_contexts_by_the_suffix_proposers_record_at_the_decision(tmp_path):
     drafter, suffix = Action(3, 8), Action(3, 8, "suffix")
+    names = feature_names(3, suffix=True)
 
-    def windows(action, tokens_per_s, offer, n=3):
+    def windows(action, tokens_per_s, expected, n=3):
+        features = [0.0] * len(names)
+        features[names.index("suffix_expected")] = expected
         w = {"tokens": tokens_per_s, "seconds": 1.0, "mean_batch_size": 1, "mean_output_position": 10,
-             "mean_suffix_offer": offer}  # fmt: skip
-        return [{"type": "decision", "action": action.to_dict(), "window": w}] * n
+             "mean_suffix_offer": 1.0}  # fmt: skip
+        return [{"type": "decision", "action": action.to_dict(), "features": features, "window": w}] * n
 
     records = [
-        # text the prompt holds (offers on 90% of rounds): the suffix proposer 3x the drafter;
-        # new text (offers on 10%): the drafter 2x
+        # text the prompt holds (a strong suffix record): the suffix proposer 3x the drafter;
+        # new text (a weak record): the drafter 2x
         *windows(drafter, 10, 0.9), *windows(suffix, 30, 0.95),
         *windows(drafter, 20, 0.1), *windows(suffix, 10, 0.0),
     ]  # fmt: skip
     traces = load_traces([_trace(tmp_path / "t.jsonl", [drafter, suffix], records)])
     assert static_grid(traces)["1"]["best"] == "steps=3,S=8,suffix"  # 40 tokens / 6 s vs 30 / 6
     headroom = context_headroom(traces, static="steps=3,S=8,suffix")
-    rows = {r["suffix_offer"]: r for r in headroom["contexts"]}
-    assert set(rows) == {"offer<1/3", "offer>=2/3"}
-    assert rows["offer>=2/3"]["ratio"] == pytest.approx(1.0)
-    assert rows["offer<1/3"]["best"] == "steps=3,S=8" and rows["offer<1/3"]["ratio"] == pytest.approx(2.0)
+    rows = {r["suffix"]: r for r in headroom["contexts"]}
+    assert set(rows) == {"suffix<1/3", "suffix>=2/3"}
+    assert rows["suffix>=2/3"]["ratio"] == pytest.approx(1.0)
+    assert rows["suffix<1/3"]["best"] == "steps=3,S=8" and rows["suffix<1/3"]["ratio"] == pytest.approx(2.0)
     assert headroom["overall"] == pytest.approx(2.0**0.5)
