@@ -13,9 +13,10 @@ environment, or scripted.
     # or learn online in the synthetic environment (steps/strides must be its grid), and score it
     python scripts/train_controller.py --kind thompson --synthetic-windows 3000 --evaluate 500 --out syn.json
 
-The action set is steps x strides (`--steps`, `--strides`; with --trace, default: every action in the
-traces). Prints a JSON summary; with --trace it includes "static_grid": every action's tokens/s in
-the logged windows per batch-size bucket and the best static action (the grid-search baseline), and
+The action set is steps x strides x proposers (`--steps`, `--strides`, `--proposers`; `--suffix-steps`
+adds longer chains for the suffix proposer alone; with --trace, default: every action in the traces).
+Prints a JSON summary; with --trace it includes "static_grid": every action's tokens/s in the
+logged windows per batch-size bucket and the best static action (the grid-search baseline), and
 "context_headroom": the best action per batch-size x output-position context and its ratio to that
 static action (an optimistic bound on what choosing by context can gain).
 """
@@ -65,6 +66,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="proposers of the action set, comma-separated from drafter,hybrid,suffix (default drafter; "
         "others need --tts-hybrid on at serving)",
     )
+    p.add_argument(
+        "--suffix-steps",
+        type=_ints,
+        default=[],
+        help="more chain lengths for the suffix proposer alone (e.g. 8: copied spans verified longer than "
+        "the drafter's chains are worth running)",
+    )
     p.add_argument("--trace", action="append", default=[], help="controller trace (JSONL); repeatable")
     p.add_argument("--init", help="continue from this policy file (same actions and features)")
     p.add_argument("--synthetic-windows", type=int, default=0, help="online learning windows in the synthetic env")
@@ -94,9 +102,11 @@ def main(argv=None) -> int:
             return 2
     if init is not None:
         actions, max_steps = init.actions, init.max_steps
-    elif args.steps or args.strides or args.proposers:
+    elif args.steps or args.strides or args.proposers or args.suffix_steps:
         try:
-            actions = action_grid(args.steps or [3], args.strides or [5], args.proposers or ["drafter"])
+            actions = action_grid(
+                args.steps or [3], args.strides or [5], args.proposers or ["drafter"], args.suffix_steps
+            )
         except ValueError as e:
             print(f"error: {e}", file=sys.stderr)
             return 2

@@ -23,7 +23,8 @@ from typing import Any
 # The proposer modes of core/hybrid.py (MODES, same names and order), spelled out here so that this
 # numpy-only package does not import the torch-side core; a test holds the two equal.
 DRAFTER = "drafter"
-MODES = (DRAFTER, "hybrid", "suffix")
+SUFFIX = "suffix"
+MODES = (DRAFTER, "hybrid", SUFFIX)
 
 
 @dataclass(frozen=True, order=True)
@@ -72,13 +73,23 @@ def uses_suffix(actions: Sequence[Action]) -> bool:
     return any(a.proposer != DRAFTER for a in actions)
 
 
-def action_grid(steps: Sequence[int], strides: Sequence[int], proposers: Sequence[str] = (DRAFTER,)) -> list[Action]:
-    """The sorted Cartesian grid steps x strides x proposers, without duplicates.
+def action_grid(
+    steps: Sequence[int],
+    strides: Sequence[int],
+    proposers: Sequence[str] = (DRAFTER,),
+    suffix_steps: Sequence[int] = (),
+) -> list[Action]:
+    """The sorted Cartesian grid steps x strides x proposers, without duplicates, plus
+    `suffix_steps` x strides with the suffix proposer alone.
 
     num_steps = 0 (no drafting) produces no canvas and hence no TTS update, and no chain to propose,
     so neither the stride nor the proposer has an effect there: it appears once, with the smallest
     stride and the drafter, instead of once per combination (copies would only split the learner's
     samples between identical arms).
+
+    `suffix_steps` are chains only the suffix proposer drafts: a copied span can be verified far
+    longer than the learned drafter's chain is worth running (SGLang's NGRAM verifies up to 12
+    tokens), and a drafter or rule action that long would run the drafter's steps for nothing.
     """
     if not steps or not strides or not proposers:
         raise ValueError("action_grid needs at least one chain length, one stride and one proposer")
@@ -96,4 +107,8 @@ def action_grid(steps: Sequence[int], strides: Sequence[int], proposers: Sequenc
         for s in unique_strides:
             for m in unique_proposers:
                 actions.append(Action(num_steps=n, update_stride=s, proposer=m))
-    return actions
+    if any(n < 1 for n in suffix_steps):
+        raise ValueError(f"suffix_steps must be chain lengths >= 1, got {list(suffix_steps)}")
+    for n in sorted(set(suffix_steps) - (set(unique_steps) if SUFFIX in unique_proposers else set())):
+        actions.extend(Action(num_steps=n, update_stride=s, proposer=SUFFIX) for s in unique_strides)
+    return sorted(actions, key=lambda a: (a.num_steps, a.update_stride, MODES.index(a.proposer)))

@@ -53,6 +53,19 @@ def test_the_grid_has_one_no_drafting_arm_and_every_proposer_per_chain():
         action_grid([3], [8], ["drafter", "eagle"])
 
 
+def test_suffix_only_chains_join_the_grid_in_order_without_duplicates():
+    grid = action_grid([1, 3], [8, 16], ["drafter", "hybrid", "suffix"], suffix_steps=[8, 3, 6])
+    assert [str(a) for a in grid if a.num_steps > 3] == [
+        "steps=6,S=8,suffix", "steps=6,S=16,suffix", "steps=8,S=8,suffix", "steps=8,S=16,suffix",
+    ]  # fmt: skip
+    assert len(grid) == len(set(grid)) == 2 * 2 * 3 + 4  # chain 3's suffix arms are not repeated
+    assert grid == sorted(grid, key=lambda a: (a.num_steps, a.update_stride, MODES.index(a.proposer)))
+    # without the suffix proposer in `proposers`, its chain 3 arm comes from suffix_steps alone
+    assert action_grid([3], [8], suffix_steps=[3]) == [Action(3, 8), Action(3, 8, "suffix")]
+    with pytest.raises(ValueError, match="suffix_steps"):
+        action_grid([3], [8], suffix_steps=[0])
+
+
 def test_the_state_carries_the_suffix_proposers_offers_only_with_the_axis():
     assert feature_names(3, suffix=True) == [*feature_names(3), "suffix_offer", "suffix_expected"]
     plain, with_suffix = StateTracker(3), StateTracker(3, suffix=True)

@@ -72,3 +72,15 @@ def test_a_logging_policy_over_proposers(script, tmp_path, capsys):
     capsys.readouterr()
     assert script.main(["--kind", "uniform", "--proposers", "ngram", "--out", str(tmp_path / "x.json")]) == 2
     assert "unknown proposers" in capsys.readouterr().err
+
+
+def test_longer_chains_for_the_suffix_proposer_alone(script, tmp_path, capsys):
+    out = tmp_path / "log.json"
+    argv = ["--kind", "uniform", "--steps", "0,3", "--strides", "16", "--proposers", "hybrid,suffix"]
+    assert script.main([*argv, "--suffix-steps", "8", "--out", str(out)]) == 0
+    bundle = load_policy(out)
+    assert bundle.actions == [Action(0, 16), Action(3, 16, "hybrid"), Action(3, 16, "suffix"), Action(8, 16, "suffix")]
+    assert bundle.max_steps == 8  # the state's acceptance features span the longest chain
+    capsys.readouterr()
+    assert script.main([*argv, "--suffix-steps", "0", "--out", str(out)]) == 2
+    assert "suffix_steps" in capsys.readouterr().err
