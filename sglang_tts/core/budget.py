@@ -23,6 +23,13 @@ for its first `guard_window` updates in a scope (the engine says when it has had
 `initial_budget` (10%); after that at least `min_budget` (2%), so that a drafter that gains nothing
 costs little but can still start gaining.
 
+With a second proposer beside the drafter (--tts-hybrid: the suffix proposer drafts the rounds
+whose continuation the context already holds), a gain of the drafter pays only on the rounds it
+drafts: the budget, the warm-up's included, is scaled by the drafter's share of request-rounds
+(slow EMA, `observe_drafted`), and tau and the trend read the drafter's rounds alone. The guard
+scores every trained row, copied spans included, where an adapted drafter soon looks far better
+than the base (a span it has seen) while the suffix proposer drafts those rounds anyway.
+
 Until an untouched round has been seen (every round ran beside an update, e.g. S = 1 with updates
 longer than a round) the cost has no base: the stride then lengthens by one per update until one is.
 
@@ -62,6 +69,7 @@ class BudgetState:
     gain_bound: float  # its lower confidence bound: what `auto` spends (nan: none yet)
     stride: int
     trend: float  # fast / slow EMA of tokens per round - 1
+    drafter_share: float = math.nan  # share of request-rounds the drafter drafted (hybrid; nan: all)
 
 
 class StrideGovernor:
@@ -98,6 +106,7 @@ class StrideGovernor:
         self.gain_bound = math.nan  # what the budget spends: a lower confidence bound of the gain
         self._fast = math.nan
         self._slow = math.nan
+        self.drafter_share = math.nan  # EMA of the drafter's share of request-rounds (nan: it drafts all)
         self.num_updates = 0
         self.settled = False
         self.total_cost_s = 0.0  # what the finished updates cost serving (sum of `cost` below)
@@ -161,6 +170,21 @@ class StrideGovernor:
             self.gain = gain
             self.gain_bound = bound if bound is not None and math.isfinite(bound) else gain
 
+    def observe_drafted(self, drafter_rounds: int, rounds: int) -> None:
+        """--tts-hybrid: of a verify round's `rounds` request-rounds, how many the learned drafter
+        drafted (the suffix proposer the rest). A slow EMA (about 50 rounds)."""
+        if rounds <= 0 or not 0 <= drafter_rounds <= rounds:
+            return
+        share = drafter_rounds / rounds
+        if math.isnan(self.drafter_share):
+            self.drafter_share = share
+        else:
+            self.drafter_share += 0.02 * (share - self.drafter_share)
+
+    @property
+    def _drafted(self) -> float:
+        return 1.0 if math.isnan(self.drafter_share) else self.drafter_share
+
     def observe_tokens(self, tokens_per_round: float) -> None:
         """Mean tokens a round committed (bonus included), for the acceptance trend."""
         if not math.isfinite(tokens_per_round):
@@ -184,7 +208,7 @@ class StrideGovernor:
         if self.fixed_budget is not None:
             return self.fixed_budget
         if math.isnan(self.gain) or not self.settled:
-            return self.initial_budget
+            return max(self.min_budget, self.initial_budget * self._drafted)
         gain = self.round_gain
         share_for_gain = gain / (1.0 + gain) if gain > 0 else 0.0
         return min(self.max_budget, max(self.min_budget, share_for_gain))
@@ -194,10 +218,11 @@ class StrideGovernor:
         """The guard's gain (its lower bound) as a gain in tokens per round: g x (tau - 1) / tau, tau
         the tokens a round commits (slow EMA). The guard measures the drafts' acceptance, and a round's bonus token does
         not grow with it: at tau = 1.65 a +10% better drafter commits about +4% more tokens per round
-        (first order; a conservative reading, as a chain's later positions gain a little more)."""
+        (first order; a conservative reading, as a chain's later positions gain a little more).
+        With the hybrid, times the drafter's share of request-rounds: it gains nothing on the others."""
         tau = self._slow
         drafted = 1.0 if math.isnan(tau) else max(0.0, tau - 1.0) / max(tau, 1.0)
-        return self.gain_bound * drafted
+        return self.gain_bound * drafted * self._drafted
 
     @property
     def trend(self) -> float:
@@ -240,6 +265,7 @@ class StrideGovernor:
             gain_bound=self.gain_bound,
             stride=self.stride,
             trend=self.trend,
+            drafter_share=self.drafter_share,
         )
 
     @property

@@ -74,6 +74,27 @@ def test_auto_budget_follows_the_measured_gain():
     assert gov.budget == 0.02
 
 
+def test_with_the_hybrid_the_drafters_gain_pays_only_on_the_rounds_it_drafts():
+    gov = StrideGovernor(stride=5, budget=None, initial_budget=0.1, min_budget=0.02)
+    gov.observe_drafted(drafter_rounds=1, rounds=4)  # the suffix proposer drafted 3 of 4 requests' rounds
+    assert gov.drafter_share == pytest.approx(0.25)
+    assert gov.budget == pytest.approx(0.025)  # the warm-up's budget too
+    gov.observe_drafted(0, 4)
+    assert gov.drafter_share == pytest.approx(0.25 - 0.02 * 0.25)  # a slow EMA
+    gov.observe_drafted(5, 4)
+    gov.observe_drafted(0, 0)  # nothing to learn from
+    assert gov.drafter_share == pytest.approx(0.245) and gov.state().drafter_share == gov.drafter_share
+    gov.observe_gain(0.5)
+    gov.observe_tokens(2.0)
+    assert gov.round_gain == pytest.approx(0.5 * 0.5 * 0.245)
+    assert gov.budget == pytest.approx(gov.round_gain / (1 + gov.round_gain))
+    for _ in range(400):
+        gov.observe_drafted(0, 4)  # the suffix drafts every round: the drafter's gain is worth nothing
+    assert gov.budget == pytest.approx(0.02, abs=1e-3)
+    plain = StrideGovernor(stride=5, budget=None)
+    assert math.isnan(plain.drafter_share) and plain.budget == 0.1  # without the hybrid: as before
+
+
 def test_untouched_rounds_set_the_base_per_batch_size_and_gaps_are_ignored():
     gov = StrideGovernor(stride=3, budget=0.1)
     for _ in range(10):

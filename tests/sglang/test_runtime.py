@@ -262,3 +262,32 @@ def test_guard_resets_reach_the_requests_and_prometheus(monkeypatch):
     assert runtime.distiller.stats.num_guard_resets == 1
     assert runtime.counters("a").guard_resets == runtime.counters("b").guard_resets == 1
     assert registry.get_sample_value("sglang_tts:guard_resets_total") == 1
+
+
+class _Chooser:
+    def counts(self, rid: str) -> tuple[dict[str, int], dict[str, int]]:
+        return {"suffix": 1, "drafter": 0}, {"suffix": 3, "drafter": 0}
+
+
+class _Hybrid:
+    """Who drafted each request's round (the suffix proposer or the drafter)."""
+
+    def __init__(self, who: dict[str, str]) -> None:
+        self.who, self.chooser = who, _Chooser()
+
+    def accepted(self, rid: str, num_accepted: int) -> str:
+        return self.who[rid]
+
+
+def test_with_the_hybrid_the_budget_reads_the_drafters_rounds(monkeypatch):
+    runtime, registry = _runtime(monkeypatch)
+    runtime.hybrid = _Hybrid({"a": "suffix", "b": "suffix", "c": "suffix", "d": "drafter"})
+    lengths = {"a": 4, "b": 4, "c": 4, "d": 2}  # the suffix copied whole chains, the drafter one token
+    runtime.count_round(lengths, budget_tokens=False)
+    runtime._count_proposers([_Req(rid) for rid in lengths], list(lengths.values()))
+    governor = runtime.governor
+    assert governor.drafter_share == pytest.approx(0.25)
+    governor.observe_gain(0.4)
+    # tau = 2 (the drafter's round alone, not the copies' 4): 0.4 x (2 - 1) / 2 x a quarter of the rounds
+    assert governor.round_gain == pytest.approx(0.4 * 0.5 * 0.25)
+    assert registry.get_sample_value("sglang_tts:proposer_rounds_total", {"proposer": "suffix"}) == 3
