@@ -370,16 +370,16 @@ class TTSRuntime:
         """The Distiller's canvas buffers; collecting a running update there is credited like anywhere."""
         return self._absorbing(self.distiller.capture_buffers)
 
-    def count_round(self, accept_lengths: dict[str, int], budget_tokens: bool = True) -> None:
-        """A verify round's acceptance, on the host: per-request round counts and Prometheus.
-        budget_tokens: the round's tokens per round also go to the update budget (with the hybrid,
-        _count_proposers gives it the drafter's rounds instead)."""
+    def count_round(self, accept_lengths: dict[str, int]) -> None:
+        """A verify round's acceptance, on the host: per-request round counts and Prometheus; its
+        tokens per round go to the update budget (with the hybrid, _count_proposers gives it the
+        drafter's rounds instead)."""
         stride, share = self.config.update_stride, self.governor.measured_share
         for rid in accept_lengths:
             c = self.counters(rid)
             c.rounds += 1
             c.update_stride, c.update_share = stride, share
-        if accept_lengths and budget_tokens:
+        if accept_lengths and self.hybrid is None:
             self.governor.observe_tokens(sum(accept_lengths.values()) / len(accept_lengths))
         if self.metrics is not None:
             self.metrics.observe_round(accept_lengths)
@@ -419,7 +419,7 @@ class TTSRuntime:
         digests: the serving weights' digest per request that asked, taken when the round ran
         (default: now)."""
         with self.failures.absorb("report", [req.rid for req in reqs]):
-            self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)}, self.hybrid is None)
+            self.count_round({req.rid: n for req, n in zip(reqs, accept_lengths)})
             if self.hybrid is not None:
                 self._count_proposers(reqs, accept_lengths)
             if digests is None:

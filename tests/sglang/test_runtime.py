@@ -283,7 +283,7 @@ def test_with_the_hybrid_the_budget_reads_the_drafters_rounds(monkeypatch):
     runtime, registry = _runtime(monkeypatch)
     runtime.hybrid = _Hybrid({"a": "suffix", "b": "suffix", "c": "suffix", "d": "drafter"})
     lengths = {"a": 4, "b": 4, "c": 4, "d": 2}  # the suffix copied whole chains, the drafter one token
-    runtime.count_round(lengths, budget_tokens=False)
+    runtime.count_round(lengths)  # with the hybrid: not the whole round's tokens per round
     runtime._count_proposers([_Req(rid) for rid in lengths], list(lengths.values()))
     governor = runtime.governor
     assert governor.drafter_share == pytest.approx(0.25)
