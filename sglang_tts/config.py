@@ -48,6 +48,9 @@ class TTSConfig:
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
     # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
     update_budget: float | None = None
+    # Multiplies the auto budget (warm-up included): 1 spends the whole measured gain on updates,
+    # K < 1 keeps (1 - K) of it as speed. No effect with a fixed --tts-update-budget.
+    update_budget_scale: float = 1.0
     min_stride: int = 1
     max_stride: int = 32
     # Do no harm (core/guard.py): score the adapted drafter against the base drafter on each update's
@@ -225,6 +228,8 @@ class TTSConfig:
             raise TTSConfigError("--tts-log-interval must be >= 0")
         if self.update_budget is not None and not (0.0 < self.update_budget < 1.0):
             raise TTSConfigError(f"--tts-update-budget must be 'auto' or a share in (0, 1), got {self.update_budget!r}")
+        if not (isinstance(self.update_budget_scale, (int, float)) and 0.0 < self.update_budget_scale <= 1.0):
+            raise TTSConfigError(f"--tts-update-budget-scale must be in (0, 1], got {self.update_budget_scale!r}")
         for flag, value in (("--tts-min-stride", self.min_stride), ("--tts-max-stride", self.max_stride)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise TTSConfigError(f"{flag} must be an integer >= 1, got {value!r}")

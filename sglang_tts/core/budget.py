@@ -21,7 +21,10 @@ above the frozen drafter's, (1 + g_r)(1 - share) >= 1, on whatever machine the s
 drafter needs updates before it can show a gain:
 for its first `guard_window` updates in a scope (the engine says when it has had them) the budget is
 `initial_budget` (10%); after that at least `min_budget` (2%), so that a drafter that gains nothing
-costs little but can still start gaining.
+costs little but can still start gaining. `scale` (--tts-update-budget-scale K, 0 < K <= 1) multiplies
+the auto budget, warm-up included: with K = 1 updates may spend the whole measured gain, which keeps
+tokens/s at frozen's at the margin; K < 1 keeps part of the gain as speed (fewer, longer strides:
+every round of a stride is still trained, in one larger update).
 
 With a second proposer beside the drafter (--tts-hybrid: the suffix proposer drafts the rounds
 whose continuation the context already holds), a gain of the drafter pays only on the rounds it
@@ -83,16 +86,20 @@ class StrideGovernor:
         initial_budget: float = 0.10,
         min_budget: float = 0.02,
         max_budget: float = 0.5,
+        scale: float = 1.0,
         trend_tolerance: float = 0.03,
         alpha: float = 0.2,
     ) -> None:
         if budget is not None and not 0.0 < budget < 1.0:
             raise ValueError(f"update budget must be in (0, 1), got {budget}")
+        if not 0.0 < scale <= 1.0:
+            raise ValueError(f"budget scale must be in (0, 1], got {scale}")
         if not 1 <= min_stride <= max_stride:
             raise ValueError(f"stride bounds must satisfy 1 <= min <= max, got {min_stride}, {max_stride}")
         self.fixed_budget = budget
         self.min_stride, self.max_stride = min_stride, max_stride
         self.initial_budget, self.min_budget, self.max_budget = initial_budget, min_budget, max_budget
+        self.scale = scale  # the auto budget spends this share of what it would (warm-up and gain alike)
         self.trend_tolerance = trend_tolerance
         self.alpha = alpha
         self.stride = min(max(stride, min_stride), max_stride)
@@ -208,10 +215,10 @@ class StrideGovernor:
         if self.fixed_budget is not None:
             return self.fixed_budget
         if math.isnan(self.gain) or not self.settled:
-            return max(self.min_budget, self.initial_budget * self._drafted)
+            return max(self.min_budget, self.scale * self.initial_budget * self._drafted)
         gain = self.round_gain
         share_for_gain = gain / (1.0 + gain) if gain > 0 else 0.0
-        return min(self.max_budget, max(self.min_budget, share_for_gain))
+        return min(self.max_budget, max(self.min_budget, self.scale * share_for_gain))
 
     @property
     def round_gain(self) -> float:

@@ -84,6 +84,14 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "Share of serving time updates may take, e.g. 0.1; 'auto' (default): the measured acceptance gain.",
         },
     ),
+    "--tts-update-budget-scale": (
+        "update_budget_scale",
+        {
+            "type": float,
+            "help": "Multiplies the auto budget, warm-up included (0 < K <= 1; 1: updates may spend the whole "
+            "measured gain; 0.5: half of it, the rest is speed).",
+        },
+    ),
     "--tts-update-window": (
         "update_window",
         {

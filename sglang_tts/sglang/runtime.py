@@ -126,7 +126,11 @@ class TTSRuntime:
         # The update budget (core/budget.py): measures what updates cost serving, and moves the stride
         # unless it is pinned (--tts-update-stride) or the controller owns it.
         self.governor = StrideGovernor(
-            config.update_stride, config.update_budget, min_stride=config.min_stride, max_stride=config.max_stride
+            config.update_stride,
+            config.update_budget,
+            min_stride=config.min_stride,
+            max_stride=config.max_stride,
+            scale=config.update_budget_scale,
         )
         self._round_start: tuple[float, int, bool] | None = None  # (time, batch size, touched) of the open round
         self._stride_due = False  # a finished update asks the governor for the next stride
@@ -138,7 +142,7 @@ class TTSRuntime:
         cfg = self.config
         mode = "frozen" if cfg.freeze else ("sync" if cfg.sync else ("async" if not self.executor.inline else "inline"))
         if cfg.governed_stride:
-            budget = "auto" if cfg.update_budget is None else f"{cfg.update_budget:g}"
+            budget = f"auto x{cfg.update_budget_scale:g}" if cfg.update_budget is None else f"{cfg.update_budget:g}"
             stride = f"stride {cfg.update_stride} (update budget {budget}: {cfg.min_stride}..{cfg.max_stride})"
         else:
             stride = f"stride {cfg.update_stride}"

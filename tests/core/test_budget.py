@@ -95,6 +95,30 @@ def test_with_the_hybrid_the_drafters_gain_pays_only_on_the_rounds_it_drafts():
     assert math.isnan(plain.drafter_share) and plain.budget == 0.1  # without the hybrid: as before
 
 
+def test_a_scale_keeps_part_of_the_gain_as_speed():
+    """--tts-update-budget-scale K: the auto budget, warm-up included, is K times what it would be;
+    the floor stays, and a fixed budget is not scaled."""
+    full = StrideGovernor(stride=5, budget=None, initial_budget=0.1, min_budget=0.02)
+    half = StrideGovernor(stride=5, budget=None, initial_budget=0.1, min_budget=0.02, scale=0.5)
+    assert half.budget == pytest.approx(0.05)  # the warm-up's 10%, halved
+    for gov in (full, half):
+        gov.observe_gain(0.25)
+    assert half.budget == pytest.approx(full.budget / 2) == pytest.approx(0.1)
+    for gov in (full, half):
+        for _ in range(20):
+            gov.round_done(0.040, batch_size=1, touched=False)
+        gov.round_done(0.070, batch_size=1, touched=True)
+        gov.update_done(run_s=0.030, blocked_s=0.0)
+    assert full.cost_s == pytest.approx(half.cost_s)
+    assert half.budget_stride() > full.budget_stride()  # half the share: fewer, longer strides
+    half.observe_gain(0.03)
+    assert half.budget == 0.02  # never below the floor
+    assert StrideGovernor(stride=5, budget=0.1, scale=0.5).budget == 0.1
+    for bad in (0.0, -0.5, 1.5, math.nan):
+        with pytest.raises(ValueError, match="budget scale"):
+            StrideGovernor(stride=5, scale=bad)
+
+
 def test_untouched_rounds_set_the_base_per_batch_size_and_gaps_are_ignored():
     gov = StrideGovernor(stride=3, budget=0.1)
     for _ in range(10):

@@ -36,6 +36,12 @@ def test_flags_reach_the_config(parser):
     assert cfg.update_stride == 2 and cfg.lr == 3e-5 and cfg.scope == "global"
     assert cfg.freeze and cfg.sync
     assert cfg.position_weights == (1.0, 0.5) and cfg.trainable == ("fc", "layers")
+    assert cfg.update_budget_scale == 1.0
+
+
+def test_the_budget_scale_reaches_the_config(parser):
+    parser.parse_args(["--tts-update-budget-scale", "0.5"])
+    assert flags.tts_config_from_env().update_budget_scale == 0.5
 
 
 @pytest.mark.parametrize(
@@ -58,6 +64,8 @@ def test_flags_reach_the_config(parser):
         (["--tts-adapter-alpha", "inf"], "--tts-adapter-alpha must be a finite number"),
         (["--tts-adapter-alpha", "nan"], "--tts-adapter-alpha must be a finite number"),
         (["--tts-lr", "nan"], "--tts-lr must be a finite number"),
+        (["--tts-update-budget-scale", "0"], "--tts-update-budget-scale must be in (0, 1]"),
+        (["--tts-update-budget-scale", "1.5"], "--tts-update-budget-scale must be in (0, 1]"),
         (["--tts-adapter-lr", "inf"], "--tts-adapter-lr must be a finite number"),
     ],
 )

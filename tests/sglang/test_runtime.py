@@ -235,6 +235,12 @@ def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
     assert registry.get_sample_value("sglang_tts:update_cost_seconds") == pytest.approx(0.030, rel=0.05)
 
 
+def test_the_budget_scale_reaches_the_governor_and_the_start_up_line(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, update_budget=None, update_budget_scale=0.5, stride_pinned=False)
+    assert runtime.governor.budget == pytest.approx(0.05)  # half the warm-up's 10%
+    assert "update budget auto x0.5" in runtime.describe()
+
+
 def test_a_pinned_stride_stays_and_the_share_is_still_reported(monkeypatch):
     clock = _Clock()
     monkeypatch.setattr("sglang_tts.sglang.runtime.time", clock)
