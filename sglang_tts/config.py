@@ -48,9 +48,10 @@ class TTSConfig:
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
     # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
     update_budget: float | None = None
-    # Multiplies the auto budget (warm-up included): 1 spends the whole measured gain on updates,
-    # K < 1 keeps (1 - K) of it as speed. No effect with a fixed --tts-update-budget.
-    update_budget_scale: float = 1.0
+    # Multiplies the auto budget (warm-up included): 1 spends the whole measured gain on updates
+    # (tokens/s at frozen's at the margin), K < 1 keeps (1 - K) of it as speed. 0.5 by measurement
+    # (docs/update-cost.md). No effect with a fixed --tts-update-budget.
+    update_budget_scale: float = 0.5
     min_stride: int = 1
     max_stride: int = 32
     # Do no harm (core/guard.py): score the adapted drafter against the base drafter on each update's

@@ -89,7 +89,7 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         {
             "type": float,
             "help": "Multiplies the auto budget, warm-up included (0 < K <= 1; 1: updates may spend the whole "
-            "measured gain; 0.5: half of it, the rest is speed).",
+            "measured gain; 0.5, the default: half of it, the rest is speed).",
         },
     ),
     "--tts-update-window": (

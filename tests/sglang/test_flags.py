@@ -36,12 +36,12 @@ def test_flags_reach_the_config(parser):
     assert cfg.update_stride == 2 and cfg.lr == 3e-5 and cfg.scope == "global"
     assert cfg.freeze and cfg.sync
     assert cfg.position_weights == (1.0, 0.5) and cfg.trainable == ("fc", "layers")
-    assert cfg.update_budget_scale == 1.0
+    assert cfg.update_budget_scale == 0.5
 
 
 def test_the_budget_scale_reaches_the_config(parser):
-    parser.parse_args(["--tts-update-budget-scale", "0.5"])
-    assert flags.tts_config_from_env().update_budget_scale == 0.5
+    parser.parse_args(["--tts-update-budget-scale", "1"])
+    assert flags.tts_config_from_env().update_budget_scale == 1.0
 
 
 @pytest.mark.parametrize(

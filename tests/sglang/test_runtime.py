@@ -236,9 +236,11 @@ def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
 
 
 def test_the_budget_scale_reaches_the_governor_and_the_start_up_line(monkeypatch):
-    runtime, _ = _runtime(monkeypatch, update_budget=None, update_budget_scale=0.5, stride_pinned=False)
-    assert runtime.governor.budget == pytest.approx(0.05)  # half the warm-up's 10%
+    runtime, _ = _runtime(monkeypatch, update_budget=None, stride_pinned=False)
+    assert runtime.governor.budget == pytest.approx(0.05)  # the default 0.5: half the warm-up's 10%
     assert "update budget auto x0.5" in runtime.describe()
+    runtime, _ = _runtime(monkeypatch, update_budget=None, update_budget_scale=1.0, stride_pinned=False)
+    assert runtime.governor.budget == pytest.approx(0.1)
 
 
 def test_a_pinned_stride_stays_and_the_share_is_still_reported(monkeypatch):
