@@ -46,7 +46,7 @@ class TTSConfig:
     # (at least the latest round). Not a flag: an auto window sets DEFAULT_WINDOW_ROWS.
     window_rows: int = MAX_WINDOW_ROWS
     # Share of serving time the updates may take; None ("auto"): the do-no-harm guard's measured
-    # acceptance gain g, as g / (1 + g), so that TTS is not slower than the frozen drafter.
+    # acceptance gain g, as g / (1 + g) (so that TTS is not slower than the frozen drafter), times the scale below.
     update_budget: float | None = None
     # Multiplies the auto budget (warm-up included): 1 spends the whole measured gain on updates
     # (tokens/s at frozen's at the margin), K < 1 keeps (1 - K) of it as speed. 0.5 by measurement
