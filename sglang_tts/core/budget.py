@@ -26,6 +26,13 @@ the auto budget, warm-up included: with K = 1 updates may spend the whole measur
 tokens/s at frozen's at the margin; K < 1 keeps part of the gain as speed (fewer, longer strides:
 every round of a stride is still trained, in one larger update).
 
+A window of rounds (`window` rounds of `window_rows` rows at most, config.py) trains on every round of a
+stride only while the stride fits in it: at a batch of B it holds min(window, window_rows // B) rounds,
+and a longer stride drops its earlier rounds instead of training on them (4 in flight: 8 rounds). The
+stride is therefore capped at the rounds the window holds at the last batch size, but never below the
+stride the whole gain buys (the budget at K = 1): past the window a longer stride saves update time by
+learning less, and K < 1 is meant to keep speed, not to stop learning (docs/update-cost.md).
+
 With a second proposer beside the drafter (--tts-hybrid: the suffix proposer drafts the rounds
 whose continuation the context already holds), a gain of the drafter pays only on the rounds it
 drafts: the budget, the warm-up's included, is scaled by the drafter's share of request-rounds
@@ -87,6 +94,8 @@ class StrideGovernor:
         min_budget: float = 0.02,
         max_budget: float = 0.5,
         scale: float = 1.0,
+        window: int = 1,
+        window_rows: int | None = None,
         trend_tolerance: float = 0.03,
         alpha: float = 0.2,
     ) -> None:
@@ -94,14 +103,18 @@ class StrideGovernor:
             raise ValueError(f"update budget must be in (0, 1), got {budget}")
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"budget scale must be in (0, 1], got {scale}")
+        if window < 1 or (window_rows is not None and window_rows < 1):
+            raise ValueError(f"window must be >= 1 rounds of >= 1 rows, got {window}, {window_rows}")
         if not 1 <= min_stride <= max_stride:
             raise ValueError(f"stride bounds must satisfy 1 <= min <= max, got {min_stride}, {max_stride}")
         self.fixed_budget = budget
         self.min_stride, self.max_stride = min_stride, max_stride
         self.initial_budget, self.min_budget, self.max_budget = initial_budget, min_budget, max_budget
         self.scale = scale  # the auto budget spends this share of what it would (warm-up and gain alike)
+        self.window, self.window_rows = window, window_rows  # what one update trains on (held_rounds)
         self.trend_tolerance = trend_tolerance
         self.alpha = alpha
+        self._last_batch = 1  # the batch size of the last round
         self.stride = min(max(stride, min_stride), max_stride)
         self._base: dict[int, float] = {}  # batch key -> EMA of untouched round seconds
         self._last_key: int | None = None
@@ -130,6 +143,7 @@ class StrideGovernor:
         if base is not None and seconds > GAP_FACTOR * base:
             return  # not a round: the server sat idle (or did other work) in between
         self.total_round_s += seconds
+        self._last_batch = batch_size
         self._last_key = key if key in self._base or len(self._base) < MAX_BATCH_KEYS else self._last_key
         if not touched:
             if base is None:
@@ -212,13 +226,25 @@ class StrideGovernor:
 
     @property
     def budget(self) -> float:
+        return self._budget(self.scale)
+
+    def _budget(self, scale: float) -> float:
         if self.fixed_budget is not None:
             return self.fixed_budget
         if math.isnan(self.gain) or not self.settled:
-            return max(self.min_budget, self.scale * self.initial_budget * self._drafted)
+            return max(self.min_budget, scale * self.initial_budget * self._drafted)
         gain = self.round_gain
         share_for_gain = gain / (1.0 + gain) if gain > 0 else 0.0
-        return min(self.max_budget, max(self.min_budget, self.scale * share_for_gain))
+        return min(self.max_budget, max(self.min_budget, scale * share_for_gain))
+
+    @property
+    def held_rounds(self) -> int | None:
+        """The rounds one update trains on at the last batch size (None: the latest round only,
+        whatever the stride, so no stride drops a round it would have trained on)."""
+        if self.window <= 1:
+            return None
+        by_rows = self.window if self.window_rows is None else max(1, self.window_rows // self._last_batch)
+        return min(self.window, by_rows)
 
     @property
     def round_gain(self) -> float:
@@ -237,12 +263,13 @@ class StrideGovernor:
             return 0.0
         return self._fast / self._slow - 1.0
 
-    def budget_stride(self) -> int | None:
-        """The shortest stride whose update share stays within the budget (None: not measured yet)."""
+    def budget_stride(self, scale: float | None = None) -> int | None:
+        """The shortest stride whose update share stays within the budget (None: not measured yet);
+        `scale`: the budget at that scale instead of the governor's own."""
         base = self.base_round_s
         if math.isnan(self.cost_s) or math.isnan(base) or base <= 0:
             return None
-        budget = self.budget
+        budget = self._budget(self.scale if scale is None else scale)
         needed = self.cost_s * (1.0 - budget) / (budget * base)
         return min(self.max_stride, max(self.min_stride, math.ceil(needed - 1e-9)))
 
@@ -258,6 +285,11 @@ class StrideGovernor:
             stride = floor
         else:
             stride = min(max(self.stride + 1, floor), 2 * floor)
+        held = self.held_rounds
+        if held is not None and stride > held:
+            # Past the window a longer stride trains on fewer of its rounds: stop at what the window
+            # holds, unless even the whole gain (the budget at K = 1) cannot pay for that many updates.
+            stride = max(held, self.budget_stride(1.0) or held)
         self.stride = min(self.max_stride, max(self.min_stride, stride))
         return self.stride
 

@@ -131,6 +131,8 @@ class TTSRuntime:
             min_stride=config.min_stride,
             max_stride=config.max_stride,
             scale=config.update_budget_scale,
+            window=config.window,
+            window_rows=config.window_rows,
         )
         self._round_start: tuple[float, int, bool] | None = None  # (time, batch size, touched) of the open round
         self._stride_due = False  # a finished update asks the governor for the next stride

@@ -120,6 +120,43 @@ def test_a_scale_keeps_part_of_the_gain_as_speed():
             StrideGovernor(stride=5, scale=bad)
 
 
+def _measured(gov: StrideGovernor, batch_size: int, round_s: float, update_s: float) -> StrideGovernor:
+    """One untouched base at `batch_size` and one update that cost `update_s` of serving time."""
+    for _ in range(20):
+        gov.round_done(round_s, batch_size=batch_size, touched=False)
+    gov.round_done(round_s + update_s, batch_size=batch_size, touched=True)
+    gov.update_done(run_s=update_s, blocked_s=0.0)
+    gov.observe_gain(0.25)  # auto budget 0.2 at K = 1, 0.1 at K = 0.5
+    return gov
+
+
+def test_the_stride_stops_at_the_rounds_the_window_holds():
+    """A window of 64 rounds in 32 rows holds 8 rounds at a batch of 4: a longer stride would drop its
+    earlier rounds, so K < 1 lengthens the stride only that far -- unless the whole gain (K = 1) cannot
+    pay for updates that often."""
+
+    def governor(batch_size: int, update_s: float, **window) -> StrideGovernor:
+        gov = StrideGovernor(stride=5, budget=None, scale=0.5, min_budget=0.02, **window)
+        return _measured(gov, batch_size, round_s=0.040, update_s=update_s)
+
+    window = {"window": 64, "window_rows": 32}
+    # 60 ms an update: K = 0.5 asks S >= 60 x 0.9 / (0.1 x 40) = 13.5, K = 1 only S >= 6.
+    four = governor(4, 0.060, **window)
+    assert four.held_rounds == 8 and four.budget_stride() == 14 and four.budget_stride(1.0) == 6
+    for _ in range(5):
+        assert four.decide() == 8
+    assert governor(4, 0.060).decide() == 14  # the latest round only (window 1): no cap
+    one = governor(1, 0.060, **window)
+    assert one.held_rounds == 32 and one.decide() == 14  # one at a time the window holds the stride
+    # 150 ms an update: even K = 1 needs S >= 15, so the stride does not come down to the window's 8.
+    dear = governor(4, 0.150, **window)
+    assert dear.budget_stride(1.0) == 15 and dear.decide() == 15
+    wide = governor(64, 0.060, **window)
+    assert wide.held_rounds == 1  # more rows than the window: the latest round only
+    with pytest.raises(ValueError, match="window"):
+        StrideGovernor(stride=5, window=0)
+
+
 def test_untouched_rounds_set_the_base_per_batch_size_and_gaps_are_ignored():
     gov = StrideGovernor(stride=3, budget=0.1)
     for _ in range(10):

@@ -241,6 +241,9 @@ def test_the_budget_scale_reaches_the_governor_and_the_start_up_line(monkeypatch
     assert "update budget auto x0.5" in runtime.describe()
     runtime, _ = _runtime(monkeypatch, update_budget=None, update_budget_scale=1.0, stride_pinned=False)
     assert runtime.governor.budget == pytest.approx(0.1)
+    assert runtime.governor.held_rounds is None  # the latest round only: no window to cap the stride
+    runtime, _ = _runtime(monkeypatch, update_budget=None, stride_pinned=False, update_window=64, window_rows=32)
+    assert (runtime.governor.window, runtime.governor.window_rows, runtime.governor.held_rounds) == (64, 32, 32)
 
 
 def test_a_pinned_stride_stays_and_the_share_is_still_reported(monkeypatch):
