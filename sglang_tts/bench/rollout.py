@@ -1010,6 +1010,11 @@ def probe_agreement(logs: Sequence[StepLog]) -> list[str]:
     return out
 
 
+def steps_share_prompts(steps: Sequence[Mapping[str, Any]]) -> bool:
+    """Did every step sample the same prompts (--same-prompts)?"""
+    return len(steps) > 1 and all(list(s["prompt_ids"]) == list(steps[0]["prompt_ids"]) for s in steps)
+
+
 def render_report(
     payload: Mapping[str, Any], aggregates: RolloutAggregates, logs: Sequence[StepLog], plots: Sequence[str]
 ) -> str:
@@ -1051,9 +1056,13 @@ def render_report(
             "",
             "## Policy drift: tokens per round per step",
             "",
-            "In brackets: the ratio to the step before, where the weights changed at this step. Every step has "
-            "its own prompts, so that ratio moves with the prompts too; configurations on one step share prompts "
-            "and weights.",
+            "In brackets: the ratio to the step before, where the weights changed at this step. "
+            + (
+                "Every step samples the same prompts, so that ratio is the weights' change (and the samples'); "
+                if steps_share_prompts(payload["steps"])
+                else "Every step has its own prompts, so that ratio moves with the prompts too; "
+            )
+            + "configurations on one step share prompts and weights.",
             "",
             drift_table(aggregates, payload["steps"]),
             *_relative_section(aggregates, payload["steps"]),

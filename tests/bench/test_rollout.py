@@ -35,6 +35,7 @@ from sglang_tts.bench.rollout import (
     rerender,
     resume_state,
     run_rollout,
+    steps_share_prompts,
     weight_labels,
 )
 from sglang_tts.bench.runner import RequestRecord, SamplingSettings
@@ -381,6 +382,7 @@ def test_steps_run_all_samples_at_once_with_groups_flushes_and_weight_updates(tm
     report = result.report.read_text()
     assert "## Policy drift: tokens per round per step" in report and f"| {TTS.name} | 2.00 | 2.00 (1.00x) |" in report
     assert "every configuration wrote the same output at every step" in report
+    assert "Every step has its own prompts" in report  # steps 0 and 1 sampled p0-p1 and p2-p3
     assert {Path(p).name for p in result.plots} == {
         "makespan.png",
         "tokens_per_round_by_position.png",
@@ -476,3 +478,10 @@ def test_drift_configurations_are_compared_with_the_stale_drafter_on_each_step()
     assert rollout.frozen_reference(["no-spec", "eagle3:frozen", "dflash:frozen"]) == "eagle3:frozen"
     steps = [{"step": 0, "weights": "launch"}, {"step": 1, "weights": "ckpt1"}]
     assert rollout.relative_table(agg, steps, "eagle3:frozen").splitlines()[-1] == "| eagle3:tts | 2.00x | 1.50x |"
+
+
+def test_the_drift_report_says_whether_the_steps_shared_their_prompts():
+    same = [{"step": k, "prompt_ids": ["a", "b"]} for k in range(3)]
+    assert steps_share_prompts(same)
+    assert not steps_share_prompts([*same[:2], {"step": 2, "prompt_ids": ["c", "d"]}])
+    assert not steps_share_prompts(same[:1])  # one step: nothing to compare
