@@ -23,6 +23,12 @@ PROMPT_LR_FACTOR = 3.0  # default prompt_lr / the update's learning rate (see TT
 FULL_RANK = "full"  # --tts-adapter-rank full: a dense per-request delta instead of a low-rank one
 
 
+def rounds_held(window: int, window_rows: int, batch_size: int) -> int:
+    """The rounds one update trains on at most at a batch of `batch_size`, whatever the stride:
+    min(window, window_rows // B), at least the latest round (TTSConfig.window and window_rows)."""
+    return min(window, max(1, window_rows // max(1, batch_size)))
+
+
 class TTSConfigError(ValueError):
     """A bad TTS setting; raised at launch, never mid-serving."""
 

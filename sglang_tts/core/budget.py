@@ -57,6 +57,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from sglang_tts.config import MAX_WINDOW_ROWS, rounds_held
+
 MAX_BATCH_KEYS = 64  # base round times kept per batch size (larger batches share a power-of-two key)
 GAP_FACTOR = 20.0  # a "round" this many times the base round is a gap (idle server), not a round
 
@@ -95,7 +97,7 @@ class StrideGovernor:
         max_budget: float = 0.5,
         scale: float = 1.0,
         window: int = 1,
-        window_rows: int | None = None,
+        window_rows: int = MAX_WINDOW_ROWS,
         trend_tolerance: float = 0.03,
         alpha: float = 0.2,
     ) -> None:
@@ -103,7 +105,7 @@ class StrideGovernor:
             raise ValueError(f"update budget must be in (0, 1), got {budget}")
         if not 0.0 < scale <= 1.0:
             raise ValueError(f"budget scale must be in (0, 1], got {scale}")
-        if window < 1 or (window_rows is not None and window_rows < 1):
+        if window < 1 or window_rows < 1:
             raise ValueError(f"window must be >= 1 rounds of >= 1 rows, got {window}, {window_rows}")
         if not 1 <= min_stride <= max_stride:
             raise ValueError(f"stride bounds must satisfy 1 <= min <= max, got {min_stride}, {max_stride}")
@@ -243,8 +245,7 @@ class StrideGovernor:
         whatever the stride, so no stride drops a round it would have trained on)."""
         if self.window <= 1:
             return None
-        by_rows = self.window if self.window_rows is None else max(1, self.window_rows // self._last_batch)
-        return min(self.window, by_rows)
+        return rounds_held(self.window, self.window_rows, self._last_batch)
 
     @property
     def round_gain(self) -> float:

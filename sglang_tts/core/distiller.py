@@ -79,7 +79,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.config import TTSConfig, TTSConfigError, rounds_held
 from sglang_tts.core.canvas import Canvas, CanvasBuffers, stack_rounds
 from sglang_tts.core.executor import SyncExecutor, UpdateExecutor, UpdateResult
 from sglang_tts.core.guard import SCOPE_UNIT, DoNoHarmGuard, greedy_scores
@@ -305,8 +305,8 @@ class Distiller:
     def _rounds_per_update(self) -> int:
         """The rounds the next update trains on: min(W, S), fewer where that many rounds of the
         latest batch size would exceed the config's window_rows (the latest round always)."""
-        by_rows = max(1, self.config.window_rows // max(1, self._rows_per_round))
-        return min(self.config.window, self.config.update_stride, by_rows)
+        held = rounds_held(self.config.window, self.config.window_rows, self._rows_per_round)
+        return min(held, self.config.update_stride)
 
     def capture_buffers(self) -> CanvasBuffers:
         """Where the engine builds the next update's canvas (preallocated, reused by every update).
