@@ -16,6 +16,7 @@ Examples::
     python scripts/bench_long.py --base-url http://127.0.0.1:30000 --configs eagle3:tts-s5
     python scripts/bench_long.py --from-json results/RUN/results.json --bucket 128   # re-aggregate
     python scripts/bench_long.py --resume --run RUN        # continue an interrupted run (its saved plan)
+    python scripts/bench_long.py --resume --extend --run RUN --num-prompts 4 --rounds 4   # grow it
 
 Every finished request (or wave) is appended to results/<run>/requests.jsonl at once, and results.json is
 rewritten after it: a stop (Ctrl-C, SIGTERM, kill -9, a reboot) loses only the requests in flight, and
@@ -80,6 +81,8 @@ DEFAULT_TEMPERATURES = (0.0, 0.7)
 # Flags a resumed run may change (where the run lives, how this session waits and shows progress, how the
 # report aggregates); every other flag is part of the plan saved in plan.json.
 SESSION_FLAGS = ("resume", "run", "out", "quiet", "request_timeout", "server_timeout", "bucket", "reference")
+# Plan flags --resume --extend may change: more prompts after the saved ones, in more rounds.
+EXTEND_FLAGS = ("num_prompts", "rounds")
 TERM_AFTER_ENV = "SGLANG_TTS_BENCH_TERM_AFTER"
 
 
@@ -183,6 +186,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue the interrupted run --run NAME: keep its finished requests, send only the missing ones. "
         "Its plan is read from the run folder: give no other plan flags, or exactly the same ones "
         f"(may change: {', '.join('--' + f.replace('_', '-') for f in SESSION_FLAGS[1:])})",
+    )
+    run.add_argument(
+        "--extend",
+        action="store_true",
+        help="with --resume: grow the run by --num-prompts (new prompts come after the saved ones) and --rounds, "
+        "keeping every finished request (each saved prompt must stay in its round)",
     )
     run.add_argument("--smoke-dir", type=Path, help="where --smoke writes its tiny models (default: the cache)")
     run.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
@@ -342,17 +351,40 @@ def _given_flags(argv_tail: list[str]) -> set[str]:
 
 def resumed_args(parser: argparse.ArgumentParser, args: argparse.Namespace, argv: list[str]) -> argparse.Namespace:
     """--resume: the saved command's flags, with this command's session flags (SESSION_FLAGS), when it gives
-    no plan flags; else this command line as it is (run_suite then checks it asks for the saved plan)."""
+    no plan flags; else this command line as it is (run_suite then checks it asks for the saved plan).
+    --extend: the saved command with this command's EXTEND_FLAGS and session flags."""
     if not args.run:
         parser.error("--resume needs --run NAME: the run folder (under --out) to continue")
     saved = load_saved_plan(args.out / args.run)
     given = _given_flags(argv[1:])
-    if given - set(SESSION_FLAGS):
+    may_change = set(SESSION_FLAGS) | ({"extend", *EXTEND_FLAGS} if args.extend else set())
+    if args.extend and given - may_change:
+        flags = " ".join(sorted("--" + f.replace("_", "-") for f in given - may_change))
+        parser.error(f"--extend grows the saved plan by --num-prompts and --rounds only; not by {flags}")
+    if given - may_change:
         return args
     merged = parser.parse_args(saved["argv"][1:])
     for dest in given | {"run", "out", "resume"}:
         setattr(merged, dest, getattr(args, dest))
     return merged
+
+
+def extended_argv(saved_argv: list[str], args: argparse.Namespace) -> list[str]:
+    """The saved command with --num-prompts and --rounds set to ``args``' values: the grown run's command,
+    which plan.json keeps for later resumes."""
+    out, skip = [], False
+    flags = {"--" + dest.replace("_", "-") for dest in EXTEND_FLAGS}
+    for token in saved_argv:
+        if skip:
+            skip = False
+        elif token in flags:
+            skip = True
+        elif token.split("=", 1)[0] not in flags:
+            out.append(token)
+    for dest in EXTEND_FLAGS:
+        if getattr(args, dest) is not None:
+            out += ["--" + dest.replace("_", "-"), str(getattr(args, dest))]
+    return out
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:
@@ -379,7 +411,7 @@ def _run(plan: BenchPlan, args: argparse.Namespace) -> int:
     """Run (or resume) the plan and print the report; on Ctrl-C or SIGTERM, say how to continue (130)."""
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)  # so the runner stops its server
     try:
-        result = run_suite(plan, resume=args.resume, on_record=_term_after_hook())
+        result = run_suite(plan, resume=args.resume, on_record=_term_after_hook(), extend=args.extend)
     except KeyboardInterrupt:
         again = ["python", "scripts/bench_long.py", "--resume", "--run", plan.run_dir.name]
         if args.out != Path("results"):
@@ -413,8 +445,12 @@ def main(argv: list[str] | None = None) -> int:
             for line in summary_lines(result):
                 print(line)
             return 1 if result.failures else 0
+        if args.extend and not args.resume:
+            parser.error("--extend grows an existing run: use it with --resume --run NAME")
         if args.resume:
             args = resumed_args(parser, args, argv)
+        if args.extend:
+            argv = extended_argv(load_saved_plan(args.out / args.run)["argv"], args)
         plan = plan_from_args(args, argv)
         n_configs, n_prompts = len(plan.configs), len(plan.prompts)
         print(

@@ -16,6 +16,11 @@ What ``results/<run>/`` holds while a run goes on:
 one, keeps every finished unit of ``requests.jsonl``, sends only the missing ones (a slot with nothing
 missing starts no server) and aggregates the records in schedule order, exactly as an uninterrupted run
 of the same records would. Without ``resume`` a run folder that already holds a plan is refused.
+
+``run_suite(plan, resume=True, extend=True)`` grows a run instead (hours-long runs are planned small and
+extended): the plan may add prompts after the saved ones and change the rounds (and, with them, the KV pool
+sized for them), provided every finished unit is still in the new schedule; anything else is refused as
+above. plan.json then holds the grown plan and its command, so a later plain resume continues it.
 """
 
 from __future__ import annotations
@@ -43,6 +48,10 @@ REQUESTS = "requests.jsonl"
 PLAN_FORMAT = 1
 # Settings that only shape the report: a resume may change them.
 REPORT_ONLY_SETTINGS = ("reference",)
+# What an extended run may change besides adding prompts (plan_identity's keys; settings'), all following
+# from the prompts and rounds.
+EXTENDABLE = ("rounds", "kv_tokens")
+EXTENDABLE_SETTINGS = ("prompts", "prompts per dataset", "kv_pool_tokens")
 
 
 @dataclass
@@ -117,6 +126,21 @@ def plan_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str
         else:
             out.append(f"{key}: {new!r} (saved: {old!r})")
     return out
+
+
+def extension_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """How ``current`` differs from ``saved`` beyond what an extension may change (more prompts after the
+    saved ones, the rounds, what follows from both), one line per difference."""
+    old_prompts, new_prompts = saved.get("prompts") or [], current.get("prompts") or []
+    out = []
+    if new_prompts[: len(old_prompts)] != old_prompts:
+        ids = " ".join(str(p.get("id")) for p in old_prompts)
+        out.append(f"prompts: an extension keeps the saved prompts first ({ids}) and adds after them")
+    settings = {k: v for k, v in (current.get("settings") or {}).items() if k not in EXTENDABLE_SETTINGS}
+    keep = {k: v for k, v in (saved.get("settings") or {}).items() if k in EXTENDABLE_SETTINGS}
+    grown = {**current, "prompts": old_prompts, "settings": {**settings, **keep}}
+    grown.update({k: saved.get(k) for k in EXTENDABLE})
+    return out + plan_differences(saved, grown)
 
 
 def load_saved_plan(run_dir: Path) -> dict[str, Any]:
@@ -253,10 +277,13 @@ def run_suite(
     plan: BenchPlan,
     resume: bool = False,
     on_record: Callable[[Unit, list[RequestRecord]], None] | None = None,
+    extend: bool = False,
 ) -> SuiteResult:
     """Run every configuration on every prompt in the interleaved schedule and write all outputs; with
-    ``resume``, continue the run in ``plan.run_dir`` (module docstring). ``on_record`` is called after each
-    unit is saved."""
+    ``resume``, continue the run in ``plan.run_dir``; with ``extend`` as well, grow it to ``plan`` (module
+    docstring). ``on_record`` is called after each unit is saved."""
+    if extend and not resume:
+        raise ConfigError("extending a run continues it: extend needs resume")
     plan.run_dir.mkdir(parents=True, exist_ok=True)
     if plan.runner.log_dir is None and plan.runner.base_url is None:
         # Server logs next to the results: a failed start is then diagnosable afterwards.
@@ -269,10 +296,11 @@ def run_suite(
     earlier_logs: list[dict[str, Any]] = []
     if resume:
         saved = load_saved_plan(plan.run_dir)
-        differences = plan_differences(saved["plan"], identity)
+        differences = (extension_differences if extend else plan_differences)(saved["plan"], identity)
         if differences:
+            asks = "more than more prompts and rounds over" if extend else "another plan than"
             raise ConfigError(
-                f"--resume: the command line asks for another plan than {plan.run_dir / PLAN}:\n  "
+                f"--resume{' --extend' if extend else ''}: the command line asks for {asks} {plan.run_dir / PLAN}:\n  "
                 + "\n  ".join(differences)
                 + f"\nContinue with the run's own plan (--resume --run {plan.run_dir.name}, no other plan flags) "
                 "or start a new run under another --run"
@@ -293,6 +321,14 @@ def run_suite(
     runner = Runner(plan.runner)
     units = [p.unit for slot in schedule for p in runner.units(slot)]
     kept = {unit: done[unit] for unit in units if unit in done}
+    if extend and len(kept) < len(done):
+        raise ConfigError(
+            f"--resume --extend: {len(done) - len(kept)} finished units of {plan.run_dir.name} would not be in the "
+            "grown schedule (a prompt's round moved): keep each saved prompt in its round (--rounds: one more per "
+            "chunk of new prompts), or start a new run"
+        )
+    if extend:
+        saved.update(plan=identity, argv=plan.argv)
     if len(kept) < len(done):
         _log(f"{REQUESTS}: {len(done) - len(kept)} finished units are not in the plan's schedule; ignored")
     finished = sum(unit.requests for unit in kept)

@@ -348,6 +348,47 @@ def test_a_resume_refuses_another_plan_and_a_new_run_refuses_a_used_folder(serve
     assert len(_measured(_Fake.sent)) == 1
 
 
+def test_an_extended_run_adds_prompts_and_sends_only_theirs(servers, tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    small = _plan(run_dir, concurrencies=(1,))
+    small.prompts, small.rounds = PROMPTS[:2], 2
+    run_suite(small)
+    assert len(_journal_lines(run_dir)) == 4 and len(_measured(_Fake.sent)) == 4
+    grown = _plan(run_dir, concurrencies=(1,))
+    grown.rounds, grown.argv = 3, ["bench_long.py", "--num-prompts", "3"]
+    # A plain resume of the grown plan is refused; so is an extension without resume.
+    with pytest.raises(ConfigError, match="asks for another plan"):
+        run_suite(grown, resume=True)
+    with pytest.raises(ConfigError, match="extend needs resume"):
+        run_suite(grown, extend=True)
+    # The saved prompts must come first and stay in their rounds; the rest of the plan stays.
+    reordered = _plan(run_dir, concurrencies=(1,))
+    reordered.prompts, reordered.rounds = [PROMPTS[1], PROMPTS[0], PROMPTS[2]], 3
+    with pytest.raises(ConfigError, match="keeps the saved prompts first"):
+        run_suite(reordered, resume=True, extend=True)
+    one_round = _plan(run_dir, concurrencies=(1,))  # 3 prompts in 1 round: p1 moves to round 0
+    with pytest.raises(ConfigError, match="2 finished units .* would not be in the grown schedule"):
+        run_suite(one_round, resume=True, extend=True)
+    longer = _plan(run_dir, max_new_tokens=16, concurrencies=(1,))
+    longer.rounds = 3
+    with pytest.raises(ConfigError, match=r"more than more prompts and rounds .*\n  sampling.max_new_tokens"):
+        run_suite(longer, resume=True, extend=True)
+    assert len(_measured(_Fake.sent)) == 4 and len(_journal_lines(run_dir)) == 4  # the refusals sent nothing
+
+    capsys.readouterr()
+    result = run_suite(grown, resume=True, extend=True)
+    assert "resuming run: 4 of 6 requests done" in capsys.readouterr().err
+    assert sorted(_measured(_Fake.sent)[4:]) == [("eagle3:frozen", "q2"), ("eagle3:tts-s1", "q2")]
+    data = json.loads(result.results.read_text())
+    assert sorted((r["config"], r["prompt_id"]) for r in data["requests"]) == sorted(
+        (c.name, p.id) for c in _configs() for p in PROMPTS
+    )
+    saved = json.loads((run_dir / PLAN).read_text())
+    assert [p["id"] for p in saved["plan"]["prompts"]] == ["p0", "p1", "p2"] and saved["plan"]["rounds"] == 3
+    assert saved["argv"] == grown.argv  # a later plain resume continues the grown plan
+    assert run_suite(grown, resume=True).failures == [] and len(_measured(_Fake.sent)) == 6
+
+
 def test_a_killed_benchmark_takes_its_server_with_it(tmp_path):
     # The bench process dies by SIGKILL (no cleanup runs): the server it launched must not keep computing.
     code = (

@@ -185,6 +185,27 @@ def test_resume_replays_the_saved_command_with_this_sessions_flags(tmp_path):
     assert (args.smoke, args.max_new_tokens, args.bucket) == (False, 64, None)
 
 
+def test_extend_replays_the_saved_command_with_more_prompts_and_rounds(tmp_path, capsys):
+    script = _script()
+    (tmp_path / "r").mkdir()
+    saved = ["scripts/bench_long.py", "--smoke", "--num-prompts", "2", "--rounds=2", "-q", "--run", "r"]
+    (tmp_path / "r" / "plan.json").write_text(json.dumps({"format": 1, "plan": {}, "argv": saved}))
+    parser = script.build_parser()
+    argv = ["x", "--resume", "--extend", "--run", "r", "--out", str(tmp_path), "--num-prompts", "4", "--rounds", "4"]
+    args = script.resumed_args(parser, parser.parse_args(argv[1:]), argv)
+    assert (args.smoke, args.num_prompts, args.rounds, args.quiet, args.extend) == (True, 4, 4, True, True)
+    grown = script.extended_argv(saved, args)
+    assert grown == ["scripts/bench_long.py", "--smoke", "-q", "--run", "r", "--num-prompts", "4", "--rounds", "4"]
+    assert script.build_parser().parse_args(grown[1:]).num_prompts == 4
+    for argv, message in [
+        (["--resume", "--extend", "--run", "r", "--out", str(tmp_path), "--max-new-tokens", "9"], "not by --max-new"),
+        (["--extend", "--run", "r", "--out", str(tmp_path), "--num-prompts", "4"], "use it with --resume"),
+    ]:
+        with pytest.raises(SystemExit) as error:
+            script.main(argv)
+        assert error.value.code == 2 and message in capsys.readouterr().err, argv
+
+
 def test_report_and_plots_are_written(smoke_run):
     report = (smoke_run / "report.md").read_text()
     assert "## Sampling: greedy decoding" in report and "### Acceptance per dataset: frozen vs TTS" in report
