@@ -133,6 +133,7 @@ class RequestRecord:
     tts_num_skipped_updates: int | None = None
     tts_trained_rounds: int | None = None  # rounds its updates trained on (> updates with --tts-update-window)
     tts_update_ms: float | None = None
+    tts_guard_resets: int | None = None  # do-no-harm resets of the drafter the request drafted with
     tts_prompt_positions: int | None = None  # --tts-prompt-adapt: positions its prompt update trained on
     tts_prompt_ms: float | None = None  # ... and that prompt update's run time
     # --tts-hybrid: rounds each proposer drafted, and its accepted drafted tokens (bonus excluded)
@@ -440,6 +441,7 @@ def record_from_response(
         tts_num_skipped_updates=_opt(meta, "tts_num_skipped_updates", int),
         tts_trained_rounds=_opt(meta, "tts_trained_rounds", int),
         tts_update_ms=_opt(meta, "tts_update_ms", float),
+        tts_guard_resets=_opt(meta, "tts_guard_resets", int),
         tts_prompt_positions=_opt(meta, "tts_prompt_positions", int),
         tts_prompt_ms=_opt(meta, "tts_prompt_ms", float),
         tts_suffix_rounds=_opt(meta, "tts_suffix_rounds", int),

@@ -238,6 +238,7 @@ class _FakeSGLang(_QuietHandler):
         "tts_num_updates": 3,
         "tts_num_skipped_updates": 0,
         "tts_update_ms": 12.5,
+        "tts_guard_resets": 1,
         "e2e_latency": 0.4,
         "finish_reason": {"type": "length", "length": 8},
     }
@@ -343,6 +344,7 @@ def test_openai_request_carries_custom_params_and_reads_meta_info():
     assert (record.completion_tokens, record.prompt_tokens, record.sampling) == (8, 5, "t0.7")
     assert record.accept_lengths == [1, 3, 3] and record.spec_verify_ct == 3
     assert record.tts_num_updates == 3 and record.tts_update_ms == 12.5 and record.finish_reason == "length"
+    assert record.tts_guard_resets == 1
     assert record.tokens_per_s == pytest.approx(16.0)
     assert record.distinct_ngrams == [1.0, 1.0, 0.2, 0.2]  # 5 four-grams per quarter; the loop has 1 distinct
 
