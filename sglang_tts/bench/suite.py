@@ -321,13 +321,13 @@ def run_suite(
     runner = Runner(plan.runner)
     units = [p.unit for slot in schedule for p in runner.units(slot)]
     kept = {unit: done[unit] for unit in units if unit in done}
-    if extend and len(kept) < len(done):
-        raise ConfigError(
-            f"--resume --extend: {len(done) - len(kept)} finished units of {plan.run_dir.name} would not be in the "
-            "grown schedule (a prompt's round moved): keep each saved prompt in its round (--rounds: one more per "
-            "chunk of new prompts), or start a new run"
-        )
     if extend:
+        if len(kept) < len(done):
+            raise ConfigError(
+                f"--resume --extend: {len(done) - len(kept)} finished units of {plan.run_dir.name} would not be in "
+                "the grown schedule (a prompt's round moved): keep each saved prompt in its round (--rounds: one "
+                "more per chunk of new prompts), or start a new run"
+            )
         saved.update(plan=identity, argv=plan.argv)
     if len(kept) < len(done):
         _log(f"{REQUESTS}: {len(done) - len(kept)} finished units are not in the plan's schedule; ignored")
