@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 import time
@@ -52,6 +53,9 @@ REPORT_ONLY_SETTINGS = ("reference",)
 # from the prompts and rounds.
 EXTENDABLE = ("rounds", "kv_tokens")
 EXTENDABLE_SETTINGS = ("prompts", "prompts per dataset", "kv_pool_tokens")
+# A drafter shipped in the package is the same drafter in any checkout: a run stopped in one checkout (or
+# on one machine) resumes in another, so plans compare its path from the package on.
+_SHIPPED_PATH = re.compile(r"(?:/[^/\s=]+)*/(?=sglang_tts/drafters/shipped/)")
 
 
 @dataclass
@@ -103,8 +107,21 @@ def plan_identity(plan: BenchPlan) -> dict[str, Any]:
     return json.loads(json.dumps(identity))
 
 
+def _portable(value: Any) -> Any:
+    """``value`` (plan.json data) with every shipped drafter's path cut to its path in the package."""
+    if isinstance(value, str):
+        return _SHIPPED_PATH.sub("<checkout>/", value)
+    if isinstance(value, list):
+        return [_portable(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _portable(v) for k, v in value.items()}
+    return value
+
+
 def plan_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """How ``current`` (a plan_identity) differs from ``saved``, one line per difference."""
+    """How ``current`` (a plan_identity) differs from ``saved``, one line per difference; a shipped
+    drafter's checkout folder is not one (_SHIPPED_PATH)."""
+    saved, current = _portable(saved), _portable(current)
     out: list[str] = []
     for key in sorted(saved.keys() | current.keys()):
         old, new = saved.get(key), current.get(key)

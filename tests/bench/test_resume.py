@@ -29,7 +29,16 @@ from sglang_tts.bench.runner import (
     Unit,
     plan_schedule,
 )
-from sglang_tts.bench.suite import PLAN, REQUESTS, RESULTS, BenchPlan, Journal, run_suite
+from sglang_tts.bench.suite import (
+    PLAN,
+    REQUESTS,
+    RESULTS,
+    BenchPlan,
+    Journal,
+    plan_differences,
+    plan_identity,
+    run_suite,
+)
 from sglang_tts.bench.workload import BenchPrompt
 
 PROMPTS = [BenchPrompt(f"p{i}", "d", messages=({"role": "user", "content": f"q{i}"},)) for i in range(3)]
@@ -346,6 +355,24 @@ def test_a_resume_refuses_another_plan_and_a_new_run_refuses_a_used_folder(serve
         run_suite(other, resume=True)
     assert len(_journal_lines(run_dir)) == 1  # nothing was sent or written by the refused attempts
     assert len(_measured(_Fake.sent)) == 1
+
+
+def test_a_run_resumes_in_another_checkout_with_the_same_shipped_drafter(tmp_path):
+    def identity(drafter: str) -> dict:
+        plan = _plan(tmp_path / "run")
+        plan.configs = build_configs(["frozen"], ["eagle3"], {"eagle3": drafter})
+        plan.settings = {"drafters": f"eagle3={drafter}"}
+        return plan_identity(plan)
+
+    shipped = "sglang_tts/drafters/shipped/Qwen2.5-Coder-0.5B-Instruct-eagle3"
+    saved = identity(f"/work/bench-wt/{shipped}")
+    assert plan_differences(saved, identity(f"/home/ci/checkout/{shipped}")) == []
+    other = plan_differences(saved, identity(f"/home/ci/checkout/{shipped[:-6]}dflash"))
+    assert other[0] == "configs: the launch flags or drafter of eagle3:frozen changed"
+    assert other[1].startswith("settings.drafters: 'eagle3=<checkout>/sglang_tts/drafters/shipped/Qwen2.5")
+    trained = "/root/.cache/sglang_tts/drafters/Qwen2.5-Coder-0.5B-Instruct-eagle3"  # not shipped: by its path
+    moved = trained.replace("/root/", "/home/u/")
+    assert len(plan_differences(identity(trained), identity(moved))) == 2
 
 
 def test_an_extended_run_adds_prompts_and_sends_only_theirs(servers, tmp_path, capsys):
