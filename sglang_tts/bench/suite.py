@@ -41,6 +41,7 @@ from sglang_tts.bench.metrics import aggregate_by_sampling
 from sglang_tts.bench.report import machine_info, render_markdown, write_json, write_plots
 from sglang_tts.bench.runner import RequestRecord, Runner, RunnerSettings, Unit, plan_schedule
 from sglang_tts.bench.workload import BenchPrompt
+from sglang_tts.drafters.shipped import SHIPPED_ROOT
 
 RESULTS = "results.json"
 REPORT = "report.md"
@@ -55,7 +56,8 @@ EXTENDABLE = ("rounds", "kv_tokens")
 EXTENDABLE_SETTINGS = ("prompts", "prompts per dataset", "kv_pool_tokens")
 # A drafter shipped in the package is the same drafter in any checkout: a run stopped in one checkout (or
 # on one machine) resumes in another, so plans compare its path from the package on.
-_SHIPPED_PATH = re.compile(r"(?:/[^/\s=]+)*/(?=sglang_tts/drafters/shipped/)")
+_SHIPPED_IN_PACKAGE = re.escape("/".join(SHIPPED_ROOT.parts[-3:]))  # sglang_tts/drafters/shipped
+_SHIPPED_PATH = re.compile(rf"(?:/[^/\s=]+)*/(?={_SHIPPED_IN_PACKAGE}/)")
 
 
 @dataclass
