@@ -82,6 +82,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
             with failures.absorb("barrier", rids):  # on failure: draft with the weights in place
                 self.tts.before_draft(rids)
                 self.tts.bind_batch(batch.reqs)
+            if self.tts.check_fallback:
+                with failures.absorb("capture", rids):
+                    self._check_prefill_locs(batch)
             self.tts.start_prompt_updates(batch.reqs)  # absorbs its own failures
             if self.tts_hybrid is not None:
                 with failures.absorb("hybrid", rids):  # on failure: the drafter drafts this round
@@ -222,6 +225,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
         with self.tts.failures.absorb("prefill_anchor", [req.rid for req in batch.reqs]):
             self.tts.begin_prefill(batch.reqs)  # forgets earlier prefills that finished without decoding
             self._remember_prefill_anchors(batch, result)  # a missing anchor costs one round's canvas
+            if self.tts.check_fallback:
+                self._remember_prefill_locs(batch)
         if self.tts.config.prompt_updates:
             with self.tts.failures.absorb("prompt_capture", [req.rid for req in batch.reqs]):
                 self._remember_prompt_windows(batch, result)  # a missing window: no prompt update
@@ -246,6 +251,26 @@ class TTSEagleWorker(EAGLEWorkerV2):
         # A chunked prefill's intermediate chunk is overwritten by the chunk that ends the prompt.
         for r, req in enumerate(batch.reqs):
             self.tts.remember_anchor(req.rid, anchors[r])
+
+    def _remember_prefill_locs(self, batch) -> None:
+        """Check mode: where each prompt's context K/V lay when its prefill drafted (a host copy of
+        its req_to_token row; a debug mode, so the host read is allowed)."""
+        table = self.req_to_token_pool.req_to_token
+        for req, pool_index in zip(batch.reqs, batch.req_pool_indices.tolist()):
+            locs = table[pool_index, : len(req.origin_input_ids)].to("cpu", copy=True)
+            self.tts.remember_prefill_locs(req.rid, locs)
+
+    def _check_prefill_locs(self, batch) -> None:
+        """Check mode, before a decode round: a request in its first round whose context locations
+        changed since its prefill drafted (the radix cache rebound them) is not re-predicted this round."""
+        table, pool = self.req_to_token_pool.req_to_token, None
+        for r, req in enumerate(batch.reqs):
+            held = self.tts.prefill_locs(req.rid)
+            if held is None:
+                continue
+            pool = batch.req_pool_indices.tolist() if pool is None else pool
+            if not torch.equal(table[pool[r], : held.shape[0]].cpu(), held):
+                self.tts.context_rebound(req.rid)
 
     def _remember_prompt_windows(self, batch, result) -> None:
         """Prompt-time adaptation: keep the drafter's inputs at the last prompt positions of each

@@ -4,7 +4,7 @@ Per request, the worker writes into `req.customized_info` (SGLang's channel from
 meta_info) after every round; a tokenizer-side hook turns it into the documented meta_info keys.
 Nothing written for the counters grows with the output:
 - the counters (`tts_num_updates`, `tts_num_skipped_updates`, `tts_update_ms`,
-  `tts_fallback_checked/_mismatches`, `tts_adapter_capped`, `tts_failures`) and the opt-in weight
+  `tts_fallback_checked/_mismatches/_skipped`, `tts_adapter_capped`, `tts_failures`) and the opt-in weight
   digests are one snapshot per round, of which only the last few rounds are kept (ROUNDS_KEPT),
   each with the output tokens it covers, so the value at the response's last token can be picked;
 - a non-streamed request keeps them under a request-level key (ROUNDS_KEY): SGLang sends it once,
@@ -41,6 +41,7 @@ SCALAR_KEYS = (
     "tts_update_ms",
     "tts_fallback_checked",
     "tts_fallback_mismatches",
+    "tts_fallback_skipped",
     "tts_adapter_capped",
     "tts_failures",
     "tts_prompt_positions",
@@ -125,6 +126,7 @@ def write_request_info(
         "tts_update_ms": round(counters.update_ms, 3),
         "tts_fallback_checked": counters.fallback_checked,
         "tts_fallback_mismatches": counters.fallback_mismatches,
+        "tts_fallback_skipped": counters.fallback_skipped,
         "tts_adapter_capped": counters.adapter_capped,
         "tts_failures": counters.failures,
         "tts_prompt_positions": counters.prompt_positions,

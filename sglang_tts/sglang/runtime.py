@@ -60,6 +60,7 @@ class RequestCounters:
     update_ms: float = 0.0
     fallback_checked: int = 0
     fallback_mismatches: int = 0
+    fallback_skipped: int = 0  # drafted tokens the check could not re-predict (see TTSRuntime.observe)
     digest_start: str | None = None
     adapter_capped: int = 0  # 1: no adapter slot was free, the request drafted with the frozen drafter
     prompt_positions: int = 0  # prompt positions a kept prompt update trained on for this request
@@ -73,6 +74,9 @@ class RequestCounters:
     # --tts-hybrid: per proposer ("suffix", "drafter"), the rounds it drafted and its accepted drafted tokens
     proposer_rounds: dict[str, int] | None = None
     proposer_accepted: dict[str, int] | None = None
+
+
+REBOUND = -1  # a drafted version no weight version equals (context_rebound)
 
 
 class TTSRuntime:
@@ -110,7 +114,13 @@ class TTSRuntime:
         self.prompt_windows: dict[str, tuple[PromptWindow, weakref.ref]] = {}
         self._pending_prompt: dict[str, int] = {}  # request -> positions of the prompt update in flight
         self._unreported: deque[tuple[list, dict[str, str]]] = deque(maxlen=4)  # see verified()
-        self._last_verify_version = -1
+        # Check mode: per request, the weight version that drafted the first token of its next round
+        # (its prefill's draft, or the draft-extend after its last verify; REBOUND: its context K/V
+        # moved since, see context_rebound); only rows drafted with the weights in place now are
+        # checked. And the pool locations of a prefill's context, until its first decode round.
+        # Entries leave with their requests (_forget).
+        self._drafted_version: dict[str, int] = {}
+        self._prefill_locs: dict[str, torch.Tensor] = {}
         self.metrics = None
         # --tts-scope request: `drafter` is an AdaptedDrafter, `serving_adapters` its published bank
         # inside SGLang's draft model (sglang/adapters.py); each request holds a slot while it runs.
@@ -172,7 +182,7 @@ class TTSRuntime:
         self._time_round(len(live_request_ids))
         live = set(live_request_ids)
         live.update(req.rid for reqs, _ in self._unreported for req in reqs)  # their report is still due
-        for rid in (self.anchor_features.keys() | self.requests.keys()) - live:
+        for rid in (self.anchor_features.keys() | self.requests.keys() | self._drafted_version.keys()) - live:
             self._forget(rid)
         for rid, (_, ref) in list(self.prompt_windows.items()):
             req = ref()
@@ -291,10 +301,11 @@ class TTSRuntime:
             self._prefilled[req.rid] = weakref.ref(req)
 
     def num_tracked(self) -> int:
-        """Per-request entries held (anchors, counters, adapter slots and capped requests): bounded
-        by the running requests plus one prefill batch."""
+        """Per-request entries held (anchors, counters, adapter slots and capped requests, check-mode
+        draft versions): bounded by the running requests plus one prefill batch."""
         slots = len(self.slots.slot_of) + len(self.slots._capped) if self.slots is not None else 0
-        return len(self.anchor_features) + len(self.requests) + len(self._prefilled) + len(self.prompt_windows) + slots
+        held = len(self.anchor_features) + len(self.requests) + len(self._prefilled) + len(self.prompt_windows)
+        return held + slots + len(self._drafted_version) + len(self._prefill_locs)
 
     def _forget(self, rid: str) -> None:
         if self.hybrid is not None:
@@ -305,6 +316,8 @@ class TTSRuntime:
         self.requests.pop(rid, None)
         self._prefilled.pop(rid, None)
         self.prompt_windows.pop(rid, None)
+        self._drafted_version.pop(rid, None)
+        self._prefill_locs.pop(rid, None)
 
     def bind_extend_batch(self, reqs) -> None:
         """Per-request adapters, before a prefill (extend) batch's draft forward: map its requests'
@@ -314,6 +327,9 @@ class TTSRuntime:
         this the table still maps the last decode batch, and a new request that reuses a finished
         one's req_pool_idx would draft its prompt with that request's adapter."""
         self._round_interrupted()
+        if self.check_fallback:
+            for req in reqs:
+                self._drafted_version[req.rid] = self.distiller.weight_version
         if self.slots is None:
             return
         with self.failures.absorb("adapter_map", [req.rid for req in reqs]):
@@ -344,6 +360,23 @@ class TTSRuntime:
             if grouped:
                 self.metrics.adapter_groups.set(self.slots.num_groups())
 
+    def remember_prefill_locs(self, rid: str, locs: torch.Tensor) -> None:
+        """Check mode: locs [L], the pool locations of the context K/V that a prefill's draft read
+        (the request's copy of its req_to_token row), kept until its first decode round."""
+        self._prefill_locs[rid] = locs
+
+    def prefill_locs(self, rid: str) -> torch.Tensor | None:
+        """The locations remembered at the request's prefill, handed over once (None after that)."""
+        return self._prefill_locs.pop(rid, None)
+
+    def context_rebound(self, rid: str) -> None:
+        """Check mode: after the request's prefill drafted, SGLang's radix cache pointed part of its
+        context at another request's copy of the same tokens (inserting the prompt frees the
+        duplicate locations). That copy's K/V came from other adapter weights (--tts-adapter-kv on)
+        or another batch, so this round's first draft token, which read the request's own K/V,
+        cannot be re-predicted from the pool: the round is skipped, later rounds are checked."""
+        self._drafted_version[rid] = REBOUND
+
     def observe(self, canvas: Canvas | None, check_canvas: Canvas | None = None, *, owned: bool = False) -> None:
         """After verify: hand the canvas to the update schedule (and, in check mode, re-predict
         `check_canvas`'s drafted tokens with the differentiable drafter). owned: the canvas was
@@ -352,15 +385,18 @@ class TTSRuntime:
             for c in (canvas, check_canvas):
                 if c is not None:
                     c.slots = self.slots.slots(c.request_ids).to(c.input_ids.device)
-        # Exact only if no new weights were published since SGLang drafted this round's first token
-        # (in the previous round's draft-extend), and if no update is writing the trained copy now.
-        if (
-            check_canvas is not None
-            and self._last_verify_version == self.distiller.weight_version
-            and self.distiller.trained_matches_serving
-        ):
-            self._check_fallback(check_canvas)
-        self._last_verify_version = self.distiller.weight_version
+        if check_canvas is not None:
+            # A row is exact only if no new weights were published since SGLang drafted its first
+            # token (at its prefill, or in the draft-extend after its previous verify: a request
+            # prefilled before another request's round saw a publish has older weights there), if
+            # the context K/V it read are still where the check reads them (context_rebound), and if
+            # no update is writing the trained copy now. The others are counted as skipped.
+            version = self.distiller.weight_version
+            matches = self.distiller.trained_matches_serving
+            exact = [matches and self._drafted_version.get(rid) == version for rid in check_canvas.request_ids]
+            self._check_fallback(check_canvas, exact)
+            for rid in check_canvas.request_ids:  # their next first tokens: drafted after this verify
+                self._drafted_version[rid] = version
         if canvas is not None:
             self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
@@ -605,11 +641,19 @@ class TTSRuntime:
         self._pending_prompt = {}
 
     @torch.no_grad()
-    def _check_fallback(self, canvas: Canvas) -> None:
-        """Greedy agreement of the differentiable drafter with what SGLang's fast path drafted.
+    def _check_fallback(self, canvas: Canvas, exact: list[bool]) -> None:
+        """Greedy agreement of the differentiable drafter with what SGLang's fast path drafted, on
+        the rows where `exact` (drafted with the weights in place now).
 
         With topk == 1, SGLang's draft token d_{k+1} is the argmax of its draft logits at canvas
-        position k; the differentiable drafter, fed the same inputs and weights, must agree."""
+        position k; the differentiable drafter, fed the same inputs and weights, must agree. The
+        drafted tokens of the other rows count as skipped."""
+        lengths = canvas.valid.sum(-1).tolist()
+        for rid, n, ok in zip(canvas.request_ids, lengths, exact):
+            if not ok and n >= 2:
+                self.counters(rid).fallback_skipped += n - 1
+        if not any(exact):
+            return
         with torch.inference_mode(False):
             logits = self.drafter.canvas_logits(canvas)
         if hasattr(self.drafter, "draft_to_target_ids"):
@@ -617,8 +661,8 @@ class TTSRuntime:
         else:
             predicted = logits.argmax(-1)
         for i, rid in enumerate(canvas.request_ids):
-            n = int(canvas.valid[i].sum())
-            if n < 2:
+            n = int(lengths[i])
+            if n < 2 or not exact[i]:
                 continue
             agree = predicted[i, : n - 1] == canvas.input_ids[i, 1:n].to(predicted.device)
             c = self.counters(rid)

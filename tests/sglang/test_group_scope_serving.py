@@ -6,7 +6,8 @@ free slot), the other prompt is capped. A client's `tts_group` joins two differe
 same way. Later waves find the slot free again (the group's state left with its last request).
 Greedy outputs equal the target's, and the fallback self-check (SGLang's drafted tokens re-predicted
 with the differentiable drafter and the slot's adapter) shows zero mismatches: SGLang drafts every
-sibling with exactly the shared adapter that the update trained.
+sibling with exactly the shared adapter that the update trained (on the rows it can re-predict:
+docs/testing.md, "What the fallback check can re-predict").
 """
 
 from __future__ import annotations
@@ -94,9 +95,12 @@ def test_the_slot_is_freed_with_the_groups_last_request(runs):
 
 
 def test_sglang_drafts_every_sibling_with_exactly_the_shared_adapter(runs):
-    checked = 0
+    checked = skipped = 0
     for results in runs.values():
         for result in results:
             assert result["meta_info"]["tts_fallback_mismatches"] == 0
             checked += result["meta_info"]["tts_fallback_checked"]
-    assert checked > 100
+            # Rows drafted before a publish, or whose prompt K/V the radix cache rebound to a
+            # sibling's copy (docs/testing.md): not re-predictable, counted, and a minority.
+            skipped += result["meta_info"]["tts_fallback_skipped"]
+    assert checked > 100 and skipped < checked

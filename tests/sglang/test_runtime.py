@@ -302,3 +302,57 @@ def test_with_the_hybrid_the_budget_reads_the_drafters_rounds(monkeypatch):
     # tau = 2 (the drafter's round alone, not the copies' 4): 0.4 x (2 - 1) / 2 x a quarter of the rounds
     assert governor.round_gain == pytest.approx(0.4 * 0.5 * 0.25)
     assert registry.get_sample_value("sglang_tts:proposer_rounds_total", {"proposer": "suffix"}) == 3
+
+
+def _check_round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> None:
+    runtime.before_draft(live)
+    check = core.random_canvas(generator, batch=len(live))
+    check.request_ids = list(live)
+    runtime.observe(None, check)
+
+
+def _checked_and_skipped(runtime: TTSRuntime, rid: str) -> tuple[int, int]:
+    c = runtime.counters(rid)
+    return c.fallback_checked, c.fallback_skipped
+
+
+def test_check_mode_skips_a_first_round_drafted_before_a_publish(monkeypatch):
+    # a prefilled (its first draft token drafted) with the weights of version 0; new weights were
+    # published before b's prefill: at the round both first run, only b was drafted with the weights
+    # the check re-predicts with.
+    runtime, _ = _runtime(monkeypatch, update_stride=1000, scope="global")
+    runtime.check_fallback = True
+    generator = torch.Generator().manual_seed(0)
+    drafted = core.LENGTH - 1  # tokens per row the check re-predicts (every canvas position valid)
+    runtime.bind_extend_batch([_Req("a")])
+    version = runtime.distiller.weight_version
+    runtime.distiller.reset()  # publishes (the base weights again, as a new version)
+    assert runtime.distiller.weight_version == version + 1
+    runtime.bind_extend_batch([_Req("b")])
+    _check_round(runtime, generator, ["a", "b"])
+    assert _checked_and_skipped(runtime, "a") == (0, drafted)
+    assert _checked_and_skipped(runtime, "b") == (drafted, 0)
+    _check_round(runtime, generator, ["a", "b"])  # both drafted after the publish now
+    assert _checked_and_skipped(runtime, "a") == (drafted, drafted)
+    assert _checked_and_skipped(runtime, "b") == (2 * drafted, 0)
+
+
+def test_check_mode_skips_the_round_whose_context_the_radix_cache_rebound(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, update_stride=1000, scope="global")
+    runtime.check_fallback = True
+    generator = torch.Generator().manual_seed(0)
+    drafted = core.LENGTH - 1
+    runtime.bind_extend_batch([_Req("a"), _Req("b")])
+    for rid in ("a", "b"):
+        runtime.remember_prefill_locs(rid, torch.arange(6))
+    assert torch.equal(runtime.prefill_locs("a"), torch.arange(6))
+    assert runtime.prefill_locs("a") is None  # handed over once
+    runtime.context_rebound("a")  # the worker found a's locations changed
+    _check_round(runtime, generator, ["a", "b"])
+    assert _checked_and_skipped(runtime, "a") == (0, drafted)
+    assert _checked_and_skipped(runtime, "b") == (drafted, 0)
+    _check_round(runtime, generator, ["a", "b"])  # later rounds read a's context as its drafts did
+    assert _checked_and_skipped(runtime, "a") == (drafted, drafted)
+    _check_round(runtime, generator, ["a"])  # b left: everything it held goes with it
+    assert "b" not in runtime._prefill_locs and "b" not in runtime._drafted_version
+    assert runtime.num_tracked() == 2  # a's counters and the version its next first token is drafted with
