@@ -648,23 +648,21 @@ class TTSRuntime:
         With topk == 1, SGLang's draft token d_{k+1} is the argmax of its draft logits at canvas
         position k; the differentiable drafter, fed the same inputs and weights, must agree. The
         drafted tokens of the other rows count as skipped."""
-        lengths = canvas.valid.sum(-1).tolist()
-        for rid, n, ok in zip(canvas.request_ids, lengths, exact):
-            if not ok and n >= 2:
-                self.counters(rid).fallback_skipped += n - 1
-        if not any(exact):
-            return
-        with torch.inference_mode(False):
-            logits = self.drafter.canvas_logits(canvas)
-        if hasattr(self.drafter, "draft_to_target_ids"):
-            predicted = self.drafter.draft_to_target_ids()[logits.argmax(-1)]
-        else:
-            predicted = logits.argmax(-1)
-        for i, rid in enumerate(canvas.request_ids):
-            n = int(lengths[i])
-            if n < 2 or not exact[i]:
+        predicted = None
+        if any(exact):
+            with torch.inference_mode(False):
+                logits = self.drafter.canvas_logits(canvas)
+            if hasattr(self.drafter, "draft_to_target_ids"):
+                predicted = self.drafter.draft_to_target_ids()[logits.argmax(-1)]
+            else:
+                predicted = logits.argmax(-1)
+        for i, (rid, n) in enumerate(zip(canvas.request_ids, canvas.valid.sum(-1).tolist())):
+            if n < 2:
+                continue
+            c = self.counters(rid)
+            if not exact[i]:
+                c.fallback_skipped += n - 1
                 continue
             agree = predicted[i, : n - 1] == canvas.input_ids[i, 1:n].to(predicted.device)
-            c = self.counters(rid)
             c.fallback_checked += n - 1
             c.fallback_mismatches += int((~agree).sum())
