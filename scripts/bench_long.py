@@ -149,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[1],
         help="requests in flight: each mode runs once per value; N > 1 sends waves of N requests (default 1)",
     )
+    data.add_argument(
+        "--sampling-seed",
+        type=int,
+        help="seed sampled requests (the same seed per prompt in every configuration; on CPU the same "
+        "answer with or without speculation, so outputs are compared as greedy ones are; default: unseeded)",
+    )
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--top-k", type=int, default=-1)
     data.add_argument("--ignore-eos", action="store_true", default=None, help="always generate --max-new-tokens")
@@ -221,6 +227,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         top_p=args.top_p,
         top_k=args.top_k,
         ignore_eos=bool(args.ignore_eos if args.ignore_eos is not None else args.smoke),
+        seed=args.sampling_seed,
     )
     run_name = args.run or time.strftime("%Y%m%d-%H%M%S") + ("-smoke" if args.smoke else "")
     settings: dict = {}
@@ -287,6 +294,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
             "top_p": sampling.top_p,
             "top_k": sampling.top_k,
             "ignore_eos": sampling.ignore_eos,
+            "sampling_seed": sampling.seed if sampling.seed is not None else "none",
             "api": "/v1/chat/completions (openai client)"
             if args.api == "openai"
             else "/generate (token ids" + (", streamed)" if args.stream else ")"),

@@ -463,8 +463,11 @@ def _mode_title(label: str) -> str:
     return title if concurrency == 1 else f"{title}, {concurrency} concurrent requests"
 
 
-def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], level: str) -> list[str]:
-    """The tables of one sampling mode (``level`` is the Markdown heading prefix of its sections)."""
+def _mode_sections(
+    aggregates: Aggregates, label: str, plots: Sequence[str], level: str, seeded: bool = False
+) -> list[str]:
+    """The tables of one sampling mode (``level`` is the Markdown heading prefix of its sections; ``seeded``:
+    the sampled requests carried a seed per prompt, ``--sampling-seed``)."""
     out = [
         f"{level} Acceptance per dataset: frozen vs TTS",
         "",
@@ -502,11 +505,12 @@ def _mode_sections(aggregates: Aggregates, label: str, plots: Sequence[str], lev
         ]
     agreement = aggregates.output_agreement
     out += ["", f"{level} Outputs", ""]
-    if parse_mode(label)[0] == GREEDY:
+    if parse_mode(label)[0] == GREEDY or seeded:
         differing = agreement.get("differing") or []
         total = agreement.get("prompts", 0)
+        what = "Greedy decoding" if parse_mode(label)[0] == GREEDY else "Seeded sampling (the same seed per prompt)"
         out.append(
-            f"Greedy decoding: all configurations produced identical outputs on {total - len(differing)} of {total} "
+            f"{what}: all configurations produced identical outputs on {total - len(differing)} of {total} "
             "prompts"
             + (
                 f"; they differ on {', '.join(differing)} (fp32 summation order can flip near-ties)."
@@ -557,6 +561,7 @@ def render_markdown(
         + "; ".join(f"`{c.name}` ({' '.join(c.server_args) or 'no extra flags'})" for c in configs)
         + ".",
     ]
+    seeded = settings.get("sampling_seed", "none") not in ("none", None)
     if not by_sampling:
         out += ["", "_No request completed._"]
     reference = settings.get("reference")
@@ -566,7 +571,7 @@ def render_markdown(
     if sweep:
         out += ["", "## Concurrency sweep", "", sweep]
     for label, aggregates in by_sampling.items():
-        out += ["", f"## Sampling: {_mode_title(label)}", "", *_mode_sections(aggregates, label, plots, "###")]
+        out += ["", f"## Sampling: {_mode_title(label)}", "", *_mode_sections(aggregates, label, plots, "###", seeded)]
     failures = [log for log in slot_logs if log.get("error")]
     if failures:
         out += ["", "## Failures", ""]

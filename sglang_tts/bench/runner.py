@@ -44,6 +44,7 @@ import json
 import time
 import urllib.error
 import urllib.request
+import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -97,19 +98,33 @@ class SamplingSettings:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool = False
+    # Sampled requests carry a seed derived from this and the prompt's id (None: unseeded): every
+    # configuration then samples a prompt with the same seed, and on CPU (seeded verify) the same text.
+    seed: int | None = None
 
     @property
     def label(self) -> str:
         return sampling_label(self.temperature)
 
-    def generate_params(self, max_new_tokens: int | None = None) -> dict[str, Any]:
-        return {
+    def request_seed(self, prompt_id: str | None) -> int | None:
+        """The seed of a sampled request for `prompt_id`: stable across configurations, runs and
+        resumes (crc32 of the id, offset by the run's seed); None when greedy or unseeded."""
+        if self.seed is None or self.temperature == 0 or prompt_id is None:
+            return None
+        return self.seed * 1_000_003 + zlib.crc32(prompt_id.encode())
+
+    def generate_params(self, max_new_tokens: int | None = None, prompt_id: str | None = None) -> dict[str, Any]:
+        params = {
             "max_new_tokens": self.max_new_tokens if max_new_tokens is None else max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
             "top_k": self.top_k,
             "ignore_eos": self.ignore_eos,
         }
+        seed = self.request_seed(prompt_id)
+        if seed is not None:
+            params["sampling_seed"] = seed
+        return params
 
 
 @dataclass
@@ -322,7 +337,7 @@ def send_generate(
     """SGLang's native ``/generate`` with token ids (the chat template was applied client-side)."""
     if prompt.input_ids is None:
         raise ValueError(f"prompt {prompt.id} has no token ids; use the OpenAI API or give a tokenizer")
-    params = sampling.generate_params(max_new_tokens)
+    params = sampling.generate_params(max_new_tokens, prompt.id)
     if details:
         params["custom_params"] = DETAILS
     payload = {"input_ids": list(prompt.input_ids), "sampling_params": params}
@@ -386,12 +401,14 @@ def send_openai(
     extra: dict[str, Any] = {"return_meta_info": True, "top_k": sampling.top_k, "ignore_eos": sampling.ignore_eos}
     if details:
         extra["custom_params"] = DETAILS
+    seed = sampling.request_seed(prompt.id)
     reply = client.chat.completions.create(
         model=model,
         messages=[dict(m) for m in prompt.messages],  # type: ignore[misc]
         max_tokens=sampling.max_new_tokens if max_new_tokens is None else max_new_tokens,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
+        **({} if seed is None else {"seed": seed}),
         extra_body=extra,
     )
     choice = reply.choices[0]

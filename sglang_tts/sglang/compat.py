@@ -501,6 +501,43 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         scope="cpu",
     ),
     Requirement(
+        "sglang.srt.speculative.eagle_utils:eagle_sample",
+        "AROUND hook: a seeded verify walks against the seeded samples (platform/cpu/seeded_sampling.py)",
+        ("verify_input", "batch", "logits_output"),
+        scope="cpu",
+    ),
+    Requirement(
+        "sglang.srt.speculative.eagle_utils:verify_tree_greedy_func",
+        "AROUND hook replacing target_predict inside a seeded verify (platform/cpu/seeded_sampling.py)",
+        ("*", "target_predict"),
+        scope="cpu",
+    ),
+    Requirement(
+        "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.from_schedule_batch",
+        "AROUND hook: a seed per request in sampling_seed (platform/cpu/seeded_sampling.py)",
+        ("batch", "vocab_size"),
+        scope="cpu",
+    ),
+    Requirement(
+        "sglang.srt.sampling.sampling_batch_info:SamplingBatchInfo.merge_batch",
+        "AROUND hook keeping sampling_seed one per request (platform/cpu/seeded_sampling.py)",
+        ("self", "other"),
+        scope="cpu",
+    ),
+    Requirement(
+        "sglang.srt.layers.sampler:top_k_top_p_min_p_sampling_from_probs_torch",
+        "AROUND hook: min-p batches sample unseeded; seeded verify samples (platform/cpu/seeded_sampling.py)",
+        ("probs", "top_ks", "top_ps", "min_ps", "need_min_p_sampling", "sampling_seed", "positions"),
+        scope="cpu",
+    ),
+    Requirement(
+        "sglang.srt.layers.sampler:sampling_from_probs_torch",
+        "called for seeded verify samples (platform/cpu/seeded_sampling.py)",
+        ("probs", "*", "sampling_seed", "positions"),
+        scope="cpu",
+        calls=True,
+    ),
+    Requirement(
         "sglang.srt.speculative.eagle_utils:tree_speculative_sampling_target_only",
         "filled with the PyTorch sampler (platform/cpu/spec_sampling.py)",
         scope="cpu",

@@ -85,14 +85,22 @@ def exact_pair_distribution(
 
 
 def assert_sampling_keeps_target_distribution(
-    base_url: str, model_path, prompt: list[int], n: int = 400, top_p: float = 1.0, top_k: int = -1
+    base_url: str,
+    model_path,
+    prompt: list[int],
+    n: int = 400,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    first_seed: int | None = None,
 ) -> None:
     """t2 comes out of the first speculative round (draft, then rejection sampling in verify): the
     joint frequency of (t1, t2) over n samples at temperature 1 must match the target's P(t1, t2)
     under the same top-p / top-k (4.5 binomial standard errors + 0.01) on every pair of probability
-    >= 0.03, and no sample may fall outside the truncated support."""
+    >= 0.03, and no sample may fall outside the truncated support. With `first_seed`, sample i
+    carries the seed first_seed + i (the distribution over seeds)."""
     params = {"temperature": 1.0, "top_p": top_p, "top_k": top_k, "max_new_tokens": 2, "ignore_eos": True}
-    outs = post_json(base_url + "/generate", {"input_ids": [prompt] * n, "sampling_params": params})
+    per_sample = params if first_seed is None else [{**params, "sampling_seed": first_seed + i} for i in range(n)]
+    outs = post_json(base_url + "/generate", {"input_ids": [prompt] * n, "sampling_params": per_sample})
     counts: dict[tuple[int, int], int] = {}
     for out in outs:
         key = tuple(out["output_ids"][:2])

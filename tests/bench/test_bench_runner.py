@@ -349,6 +349,25 @@ def test_openai_request_carries_custom_params_and_reads_meta_info():
     assert record.distinct_ngrams == [1.0, 1.0, 0.2, 0.2]  # 5 four-grams per quarter; the loop has 1 distinct
 
 
+def test_a_sampling_seed_gives_each_prompt_its_seed_in_both_apis():
+    seeded = SamplingSettings(max_new_tokens=8, temperature=0.7, seed=3)
+    seed = seeded.request_seed("p0")
+    assert seed == SamplingSettings(max_new_tokens=2, temperature=0.7, seed=3).request_seed("p0")  # any config
+    assert seed != seeded.request_seed("p1") and seed != SamplingSettings(temperature=0.7, seed=4).request_seed("p0")
+    assert SamplingSettings(temperature=0.0, seed=3).request_seed("p0") is None  # greedy needs none
+    assert SamplingSettings(temperature=0.7).request_seed("p0") is None  # unseeded by default
+    assert "sampling_seed" not in SamplingSettings(temperature=0.7).generate_params(prompt_id="p0")
+    with _serving(_FakeSGLang) as base:
+        prompt = BenchPrompt("p0", "d", messages=({"role": "user", "content": "hi"},))
+        send_openai(base, "m", prompt, seeded, details=False, timeout=30)
+        assert _FakeSGLang.bodies[-1]["seed"] == seed
+        send_openai(base, "m", prompt, SamplingSettings(temperature=0.7), details=False, timeout=30)
+        assert "seed" not in _FakeSGLang.bodies[-1]
+    with _serving(_FakeGenerate) as base:
+        response = send_generate(base, BenchPrompt("p0", "d", input_ids=(3, 4)), seeded, False, timeout=30)
+    assert response.meta["echo"]["sampling_params"]["sampling_seed"] == seed
+
+
 def test_runner_settings_default_to_the_openai_api_and_greedy():
     settings = RunnerSettings(model="m")
     assert settings.api == "openai" and settings.temperatures == (0.0,)

@@ -612,3 +612,42 @@ def test_exported_names_cover_sglang_cpu_imports() -> None:
     # verify_tree_greedy_func passes these by keyword, with the CUDA schema's spelling.
     params = inspect.signature(ops.verify_tree_greedy_cpu).parameters
     assert {"retrive_index", "retrive_next_token", "retrive_next_sibling"} <= set(params)
+
+
+# --------------------------------------------------------------------------------------------
+# Seeded sampling's noise: MurmurHash3 of (seed, position, column)
+# --------------------------------------------------------------------------------------------
+
+REF_MURMUR = _load_sglang_functions(
+    "kernels/ops/sampling/murmur_hash.py", "rotl32", "fmix32", "murmur3_mix", "murmur_hash32_kernel"
+)
+
+
+def test_murmur_hash32_equals_sglangs_triton_kernel() -> None:
+    # Seeds across the int64 range (negative ones are uint64s with the top bit set), positions past
+    # 2**31, and more columns than one kernel block.
+    seed = torch.tensor([0, 1, 42, 2**63 - 1, -5, 123456789012345, -(2**63)], dtype=torch.int64)
+    positions = torch.tensor([0, 7, 100_000, 3, 2**31 + 5, 9, 2**32 - 1], dtype=torch.int64)
+    cols = torch.arange(2_500, dtype=torch.int64)
+    n, m = len(seed), len(cols)
+    ref = torch.empty((n, m), dtype=torch.uint32)
+    # the kernel's helpers must be interpreter functions in its namespace too
+    kernel = REF_MURMUR.murmur_hash32_kernel
+    kernel.fn.__globals__.update(rotl32=REF_MURMUR.rotl32, fmix32=REF_MURMUR.fmix32, murmur3_mix=REF_MURMUR.murmur3_mix)
+    kernel[(n, triton.cdiv(m, 1024))](seed.to(torch.uint64), positions, cols, ref, n, m, BLOCK_SIZE=1024)
+    out = ops.murmur_hash32_cpu(seed.to(torch.uint64), positions, cols)
+    assert out.dtype == torch.uint32 and out.shape == (n, m)
+    assert torch.equal(out.to(torch.int64), ref.to(torch.int64))
+    assert out.to(torch.int64).unique().numel() > 0.99 * n * m  # noise, not a pattern
+
+
+def test_murmur_hash32_is_a_torch_op_with_a_shape_function() -> None:
+    ops.register_torch_ops()
+    ops.register_torch_ops()  # idempotent
+    seed = torch.tensor([3, 4], dtype=torch.int64)
+    positions = torch.tensor([10, 11])
+    cols = torch.arange(5)
+    out = torch.ops.sgl_kernel.murmur_hash32_cpu.default(seed, positions, cols)
+    assert torch.equal(out.to(torch.int64), ops.murmur_hash32_cpu(seed, positions, cols).to(torch.int64))
+    fake = torch.ops.sgl_kernel.murmur_hash32_cpu.default(seed.to("meta"), positions.to("meta"), cols.to("meta"))
+    assert fake.shape == (2, 5) and fake.dtype == torch.uint32

@@ -17,7 +17,9 @@ What it does when active:
 7. with $SGLANG_TTS_CPU_ROUND_TIMING set, logs the wall time of every decode, draft, verify and
    draft-extend phase (sglang_tts.platform.cpu.round_timing, for scripts/bench_cpu_round.py);
 8. counts only this process's own allocations in SGLang's free-memory readings, so what other processes
-   allocate while a server loads does not shrink or refuse its KV pool (sglang_tts.platform.cpu.memory).
+   allocate while a server loads does not shrink or refuse its KV pool (sglang_tts.platform.cpu.memory);
+9. honours a request's sampling seed, and verifies sampling requests against the target's seeded
+   samples, so a seeded answer is the same with or without speculation (sglang_tts.platform.cpu.seeded_sampling).
 """
 
 from __future__ import annotations
@@ -68,7 +70,15 @@ def _add_shim_to_path() -> None:
 def _register_hooks() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from sglang_tts.platform.cpu import attention, dflash, linear, memory, round_timing, spec_sampling
+    from sglang_tts.platform.cpu import (
+        attention,
+        dflash,
+        linear,
+        memory,
+        round_timing,
+        seeded_sampling,
+        spec_sampling,
+    )
 
     HookRegistry.register(
         "sglang.srt.layers.attention.torch_native_backend.TorchNativeAttnBackend.forward_extend",
@@ -94,6 +104,7 @@ def _register_hooks() -> None:
     linear.register_hooks(HookRegistry, HookType)
     round_timing.register_hooks(HookRegistry, HookType)
     memory.register_hooks(HookRegistry, HookType)
+    seeded_sampling.register_hooks(HookRegistry, HookType)
 
 
 def install() -> bool:

@@ -473,6 +473,61 @@ def build_draft_decode_metadata_cpu(
     return out
 
 
+_U32 = 0xFFFFFFFF
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & _U32
+
+
+def _murmur3_mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    k = (k * 0xCC9E2D51) & _U32
+    k = _rotl32(k, 15)
+    k = (k * 0x1B873593) & _U32
+    h = _rotl32(h ^ k, 13)
+    return (h * 5 + 0xE6546B64) & _U32
+
+
+def murmur_hash32_cpu(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+    """SGLang's MurmurHash3 of (64-bit seed, 32-bit position, 32-bit column), the noise of its seeded
+    sampling (``sglang/kernels/ops/sampling/murmur_hash.py``: ``murmur_hash32_kernel``).
+
+    seed: [n] any integer dtype (read as uint64); positions: [n]; col_indices: [m].
+    Returns [n, m] uint32. Arithmetic in int64 masked to 32 bits: a product of two 32-bit values
+    wraps in int64, and wrapping keeps its low 32 bits exact.
+    """
+    s = seed.reshape(-1).to(torch.int64)  # [n] the uint64's bits
+    seed_lo = (s & _U32)[:, None]  # [n, 1]
+    seed_hi = ((s >> 32) & _U32)[:, None]  # [n, 1] (arithmetic shift, then masked: the high word)
+    pos = (positions.reshape(-1).to(torch.int64) & _U32)[:, None]  # [n, 1]
+    col = (col_indices.reshape(-1).to(torch.int64) & _U32)[None, :]  # [1, m]
+    h = torch.zeros_like(seed_lo)
+    h = _murmur3_mix(h, seed_lo)
+    h = _murmur3_mix(h, seed_hi)
+    h = _murmur3_mix(h, pos)  # [n, 1]
+    h = _murmur3_mix(h.expand(-1, col.shape[1]), col.expand(h.shape[0], -1))  # [n, m]
+    h = h ^ 16
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _U32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _U32
+    h = h ^ (h >> 16)
+    return h.to(torch.uint32)
+
+
+def register_torch_ops() -> None:
+    """Define the ops SGLang calls as ``torch.ops.sgl_kernel.<name>`` (idempotent). Called by the
+    stand-in package at import, so only where no real sgl_kernel exists."""
+    if hasattr(torch.ops.sgl_kernel, "murmur_hash32_cpu"):
+        return
+    op = torch.library.custom_op("sgl_kernel::murmur_hash32_cpu", murmur_hash32_cpu, mutates_args=())
+
+    @op.register_fake
+    def _(seed: torch.Tensor, positions: torch.Tensor, col_indices: torch.Tensor) -> torch.Tensor:
+        # SGLang compiles the sampler that calls it (torch.compile needs the output's shape)
+        return seed.new_empty((seed.shape[0], col_indices.shape[0]), dtype=torch.uint32)
+
+
 # Exposed by the lead's shim as ``sgl_kernel.<name>``.
 OPS: dict[str, Callable[..., object]] = {
     "copy_all_layer_kv_cache_cpu": copy_all_layer_kv_cache_cpu,

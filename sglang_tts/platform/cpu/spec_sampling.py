@@ -249,9 +249,14 @@ def tree_speculative_sampling_target_only(
 
 
 def verify_uses_greedy_hook(original, *args, **kwargs):
-    """AROUND hook on eagle_utils._verify_uses_greedy: sampling requests take the sampling path on CPU."""
+    """AROUND hook on eagle_utils._verify_uses_greedy: sampling requests take the sampling path on CPU,
+    or, inside a seeded verify (seeded_sampling.py), the greedy walk against the seeded samples."""
     import sglang.srt.speculative.eagle_utils as eagle_utils
 
+    from sglang_tts.platform.cpu.seeded_sampling import active_verify
+
+    if active_verify() is not None:
+        return True
     fill_missing_sampling_ops(eagle_utils)
     if kwargs.get("is_cpu"):
         kwargs["is_cpu"] = False

@@ -6,6 +6,9 @@ The ops themselves live in `sglang_tts.platform.cpu.sgl_kernel_ops`.
 """
 
 from sglang_tts.platform.cpu.sgl_kernel_ops import OPS as _OPS
+from sglang_tts.platform.cpu.sgl_kernel_ops import register_torch_ops as _register_torch_ops
+
+_register_torch_ops()  # torch.ops.sgl_kernel.* (murmur_hash32_cpu: the noise of seeded sampling)
 
 globals().update(_OPS)
 __all__ = sorted(_OPS)
