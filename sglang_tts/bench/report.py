@@ -505,10 +505,11 @@ def _mode_sections(
         ]
     agreement = aggregates.output_agreement
     out += ["", f"{level} Outputs", ""]
-    if parse_mode(label)[0] == GREEDY or seeded:
+    greedy = parse_mode(label)[0] == GREEDY
+    if greedy or seeded:
         differing = agreement.get("differing") or []
         total = agreement.get("prompts", 0)
-        what = "Greedy decoding" if parse_mode(label)[0] == GREEDY else "Seeded sampling (the same seed per prompt)"
+        what = "Greedy decoding" if greedy else "Seeded sampling (the same seed per prompt)"
         out.append(
             f"{what}: all configurations produced identical outputs on {total - len(differing)} of {total} "
             "prompts"
