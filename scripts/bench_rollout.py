@@ -79,6 +79,12 @@ def build_parser() -> argparse.ArgumentParser:
     data.add_argument("--temperature", type=float, default=1.0)
     data.add_argument("--top-p", type=float, default=1.0)
     data.add_argument("--top-k", type=int, default=-1)
+    data.add_argument(
+        "--sampling-seed",
+        type=int,
+        help="a seed per (step, prompt, sample) from this value, the same in every configuration: they all sample "
+        "the same answers (on CPU seeded verify makes them exact), so makespans compare the same tokens",
+    )
     data.add_argument("--ignore-eos", action="store_true", default=None, help="always --max-new-tokens (smoke: on)")
     drift = parser.add_argument_group("policy drift")
     drift.add_argument(

@@ -527,6 +527,12 @@ def group_id(step: int, prompt: BenchPrompt) -> str:
     return f"{step}-{prompt.id}"
 
 
+def sample_id(step: int, prompt: BenchPrompt, sample: int) -> str:
+    """What a sample's seed is derived from (``--sampling-seed``): one seed per (step, prompt, sample), the same
+    in every configuration, so they all sample the same n answers (on CPU: seeded verify, docs/cpu.md)."""
+    return f"{group_id(step, prompt)}/{sample}"
+
+
 def custom_params(group: str, details: bool) -> dict[str, Any]:
     """A rollout request's custom_params: its group, and the per-round accept lengths on speculative servers."""
     return {**(DETAILS if details else {}), GROUP_KEY: group}
@@ -685,9 +691,9 @@ class RolloutRunner:
         flush_cache(base_url)  # every configuration, every step: the siblings of this step share what follows
         bar.set_postfix_str(f"{config.name} step {step.index} ({step.weights})")
         jobs = [(prompt, j) for prompt in step.prompts for j in range(s.samples)]
-        params = s.sampling.generate_params()
 
-        def one(prompt: BenchPrompt) -> tuple[dict[str, Any], float, float]:
+        def one(prompt: BenchPrompt, j: int) -> tuple[dict[str, Any], float, float]:
+            params = s.sampling.generate_params(prompt_id=sample_id(step.index, prompt, j))
             sent = time.perf_counter()
             custom = custom_params(group_id(step.index, prompt), config.speculative)
             out = generate(base_url, prompt, params, custom, s.request_timeout_s)
@@ -697,7 +703,7 @@ class RolloutRunner:
         start = time.perf_counter()
         results: dict[int, tuple[dict[str, Any], float, float]] = {}
         with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-            futures = {pool.submit(one, prompt): i for i, (prompt, _) in enumerate(jobs)}
+            futures = {pool.submit(one, prompt, j): i for i, (prompt, j) in enumerate(jobs)}
             for future in as_completed(futures):
                 results[futures[future]] = future.result()  # the first failure fails the step
                 bar.update(1)
@@ -799,7 +805,7 @@ def finish(run_dir: Path, payload: dict[str, Any]) -> RolloutResult:
     payload["aggregates"] = aggregates.to_json()
     plots = write_plots(aggregates, run_dir, bool(payload.get("drift")))
     report = run_dir / REPORT
-    report.write_text(render_report(payload, aggregates, logs, plots))
+    report.write_text(render_report(payload, aggregates, logs, plots, samples))
     results = write_json(run_dir / RESULTS, payload)
     failures = [f"{log.config} (step {log.step})" for log in logs if log.error]
     return RolloutResult(run_dir, results, report, plots, failures)
@@ -1010,13 +1016,43 @@ def probe_agreement(logs: Sequence[StepLog]) -> list[str]:
     return out
 
 
+def sample_agreement(samples: Sequence[Sample], seed: Any) -> list[str]:
+    """A sentence for a seeded run: did every configuration write the same text for each (step, prompt, sample)?
+    Then the makespans compare the same tokens; unseeded sampled runs draw their own samples (no sentence)."""
+    if seed in (None, "none"):
+        return []
+    by_sample: dict[tuple[int, str, int], dict[str, str | None]] = {}
+    for s in samples:
+        by_sample.setdefault((s.step, s.group, s.sample), {})[s.config] = s.record.output_digest
+    shared = {k: d for k, d in by_sample.items() if len(d) > 1}
+    if not shared:
+        return []
+    differ = sorted(k for k, d in shared.items() if len(set(d.values())) > 1)
+    head = f"Seeded samples (`--sampling-seed {seed}`, one seed per step, prompt and sample): "
+    if not differ:
+        return [
+            head + f"every configuration wrote the same text for each of the {len(shared)} samples they share, "
+            "so their makespans compare the same tokens."
+        ]
+    named = ", ".join(f"{group}/{j}" for _, group, j in differ[:6]) + (" ..." if len(differ) > 6 else "")
+    return [
+        head + f"{len(differ)} of {len(shared)} samples differ between configurations ({named}): their makespans "
+        "compare different texts there (a seeded answer is exact on CPU for batches of one sampling option; "
+        "fp32 summation order can still flip a near-tie)."
+    ]
+
+
 def steps_share_prompts(steps: Sequence[Mapping[str, Any]]) -> bool:
     """Did every step sample the same prompts (--same-prompts)?"""
     return len(steps) > 1 and all(list(s["prompt_ids"]) == list(steps[0]["prompt_ids"]) for s in steps)
 
 
 def render_report(
-    payload: Mapping[str, Any], aggregates: RolloutAggregates, logs: Sequence[StepLog], plots: Sequence[str]
+    payload: Mapping[str, Any],
+    aggregates: RolloutAggregates,
+    logs: Sequence[StepLog],
+    plots: Sequence[str],
+    samples: Sequence[Sample] = (),
 ) -> str:
     machine = payload.get("machine") or {}
     settings = payload.get("settings") or {}
@@ -1051,6 +1087,9 @@ def render_report(
         "",
         step_table(aggregates),
     ]
+    agreement = sample_agreement(samples, ((payload.get("identity") or {}).get("sampling") or {}).get("seed"))
+    if agreement:
+        out += ["", *agreement]
     if drift:
         out += [
             "",
@@ -1320,6 +1359,7 @@ class RolloutArgs:
     top_p: float = 1.0
     top_k: int = -1
     ignore_eos: bool | None = None
+    sampling_seed: int | None = None  # a seed per (step, prompt, sample); None: unseeded
     drift: list[str] | None = None  # [] : make drifted copies of the target
     drift_copies: int | None = None
     drift_scale: float | None = None
@@ -1379,6 +1419,7 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
         top_p=args.top_p,
         top_k=args.top_k,
         ignore_eos=bool(args.ignore_eos if args.ignore_eos is not None else args.smoke),
+        seed=args.sampling_seed,
     )
     kinds = list(args.drafter_kind or ("eagle3",))
     shape = parse_eagle3_shape(args.eagle3_shape)
@@ -1460,6 +1501,7 @@ def build_plan(args: RolloutArgs, argv: list[str]) -> RolloutPlan:
         "top_p": sampling.top_p,
         "top_k": sampling.top_k,
         "ignore_eos": sampling.ignore_eos,
+        "sampling_seed": sampling.seed if sampling.seed is not None else "none",
         "tts_lr": tts_lr if tts_lr is not None else "server default",
         "eagle3_shape": args.eagle3_shape,
         "drift": ", ".join(drift) if drift_mode else "off",

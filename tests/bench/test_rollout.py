@@ -35,6 +35,8 @@ from sglang_tts.bench.rollout import (
     rerender,
     resume_state,
     run_rollout,
+    sample_agreement,
+    sample_id,
     steps_share_prompts,
     weight_labels,
 )
@@ -200,10 +202,12 @@ def test_a_running_server_is_named_by_configs_and_checked():
 # ----------------------------------------------------------------------------------------------------------
 
 
-def _plan(tmp_path: Path, configs: list[BenchConfig], drift: list[str] | None, url: str | None = None) -> RolloutPlan:
+def _plan(
+    tmp_path: Path, configs: list[BenchConfig], drift: list[str] | None, url: str | None = None, seed: int | None = None
+) -> RolloutPlan:
     settings = RolloutSettings(
         model="m",
-        sampling=SamplingSettings(max_new_tokens=8, temperature=1.0),
+        sampling=SamplingSettings(max_new_tokens=8, temperature=1.0, seed=seed),
         samples=2,
         warmup_tokens=2,
         probe_tokens=4,
@@ -298,7 +302,8 @@ class _FakeSGLang(BaseHTTPRequestHandler):
             cls.in_flight -= 1
         params = body["sampling_params"]
         greedy = params["temperature"] == 0
-        ids = [len(cls.version), 5, 6] if greedy else [9] * 7
+        seed = params.get("sampling_seed")
+        ids = [len(cls.version), 5, 6] if greedy else [9] * 7 if seed is None else [seed % 1000] * 7
         meta = {"completion_tokens": len(ids), "prompt_tokens": 3, "weight_version": cls.version}
         meta["finish_reason"] = {"type": "length"}
         if params["custom_params"].get("tts_return_accept_lengths"):
@@ -485,3 +490,43 @@ def test_the_drift_report_says_whether_the_steps_shared_their_prompts():
     assert steps_share_prompts(same)
     assert not steps_share_prompts([*same[:2], {"step": 2, "prompt_ids": ["c", "d"]}])
     assert not steps_share_prompts(same[:1])  # one step: nothing to compare
+
+
+def test_a_sampling_seed_gives_every_sample_its_own_seed_the_same_in_every_configuration(tmp_path, fake):
+    result = run_rollout(_plan(tmp_path, [NO_SPEC, TTS], None, seed=3))
+    assert result.failures == []
+    sampled = [
+        (b["sampling_params"]["custom_params"]["tts_group"], b["sampling_params"].get("sampling_seed"))
+        for path, b in fake.calls
+        if path == "/generate" and b["sampling_params"]["custom_params"]["tts_group"] not in ("warmup", "probe")
+    ]
+    # 2 configurations x 2 steps x 2 prompts x 2 samples; each configuration sends the same 8 seeds
+    assert len(sampled) == 16 and all(seed is not None for _, seed in sampled)
+    first, second = sorted(sampled[:8]), sorted(sampled[8:])
+    assert first == second and len({seed for _, seed in first}) == 8  # siblings differ, configurations agree
+    expected = SamplingSettings(temperature=1.0, seed=3).request_seed(sample_id(1, _prompts(4)[3], 1))
+    assert ("1-p3", expected) in first
+    data = json.loads(result.results.read_text())
+    assert data["identity"]["sampling"]["seed"] == 3
+    assert {s["output_digest"] for s in data["samples"] if s["config"] == "no-spec"} == {
+        s["output_digest"] for s in data["samples"] if s["config"] == TTS.name
+    }
+    report = result.report.read_text()
+    assert "every configuration wrote the same text for each of the 8 samples they share" in report
+    # a resumed run must keep the seed: another one is another run
+    previous = json.loads(result.results.read_text())
+    with pytest.raises(ConfigError):
+        check_resumable(previous, _plan(tmp_path, [NO_SPEC, TTS], None, seed=4))
+
+
+def test_sample_agreement_names_the_samples_that_differ_and_says_nothing_unseeded():
+    def sample(config: str, j: int, digest: str) -> Sample:
+        record = RequestRecord(config, "d", "p0", 0, 8, 1.0, output_digest=digest)
+        return Sample(record, 0, j, "0-p0", "launch")
+
+    same = [sample("a", 0, "x"), sample("b", 0, "x"), sample("a", 1, "y"), sample("b", 1, "y")]
+    assert "same text for each of the 2 samples" in sample_agreement(same, 0)[0]
+    differ = [*same[:2], sample("a", 1, "y"), sample("b", 1, "z"), sample("a", 2, "w")]  # 0-p0/2: one config only
+    (line,) = sample_agreement(differ, 0)
+    assert "1 of 2 samples differ between configurations (0-p0/1)" in line
+    assert sample_agreement(differ, "none") == [] and sample_agreement(differ, None) == []

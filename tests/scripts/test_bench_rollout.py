@@ -2,7 +2,8 @@
 
 Two RL steps of 2 prompts x 2 samples (48 tokens at temperature 1), the same prompts in both steps
 (--same-prompts), step 1 on a drifted copy of the loopy tiny target loaded with /update_weights_from_disk;
-no speculation, and TTS with one global drafter kept or reset at the update. Then the run is interrupted by
+no speculation, and TTS with one global drafter kept or reset at the update; a seed per sample
+(--sampling-seed), so every configuration samples the same answers. Then the run is interrupted by
 hand (one step's results removed) and continued with --run, and re-rendered with --from-json.
 """
 
@@ -23,6 +24,7 @@ PLOTS = ["makespan.png", "tokens_per_round_by_position.png", "tokens_per_round_b
 
 def _command(out: Path) -> list[str]:
     cmd = [sys.executable, "scripts/bench_rollout.py", "--smoke", "--drift", "--same-prompts", "-q", "--out", str(out)]
+    cmd += ["--sampling-seed", "0"]
     return [
         *cmd,
         "--run",
@@ -95,6 +97,17 @@ def test_every_configuration_ran_every_step_with_grouped_samples(smoke_run):
             assert summary["tokens_per_s"] == pytest.approx(4 * 48 / summary["makespan_s"])
             if c != "no-spec":
                 assert summary["counts"]["tokens_per_round"] >= 1.0 and summary["speedup_vs_no_spec"] > 0
+    # seeded: every configuration wrote the same text for each sample (TTS adapting, the weights changed at
+    # step 1), while the two samples of a prompt differ
+    digests: dict[tuple, set] = {}
+    for s in samples:
+        digests.setdefault((s["step"], s["group"], s["sample"]), set()).add(s["output_digest"])
+    assert len(digests) == 8 and all(len(d) == 1 for d in digests.values())
+    assert all(digests[(k, g, 0)] != digests[(k, g, 1)] for k, g, _ in digests)
+    assert (
+        "every configuration wrote the same text for each of the 8 samples they share"
+        in (smoke_run["dir"] / "report.md").read_text()
+    )
     # the change ratio: step 1's tokens per round over step 0's (the weights changed at step 1)
     keep0, keep1 = steps[(CONFIGS[1], 0)], steps[(CONFIGS[1], 1)]
     ratio = keep1["counts"]["tokens_per_round"] / keep0["counts"]["tokens_per_round"]
@@ -140,6 +153,9 @@ def test_an_interrupted_run_continues_where_it_stopped(smoke_run):
     kept = {key(s): s for s in resumed["samples"] if (s["config"], s["step"]) != ("no-spec", 1)}
     assert kept == {key(s): s for s in first["samples"] if (s["config"], s["step"]) != ("no-spec", 1)}
     assert len(resumed["samples"]) == len(first["samples"]) == 24
+    # seeded: the rerun step sampled the very same answers on its fresh server
+    digest = lambda samples: {key(s): s["output_digest"] for s in samples if (s["config"], s["step"]) == ("no-spec", 1)}  # noqa: E731
+    assert digest(resumed["samples"]) == digest(first["samples"]) and len(digest(first["samples"])) == 4
 
 
 def test_report_and_plots_are_written_and_rerendered(smoke_run, capsys):
