@@ -74,3 +74,25 @@ def loopy_dflash(tiny_dir, loopy_llama) -> pathlib.Path:
 
     target_config = json.loads((loopy_llama / "config.json").read_text())
     return write_tiny_dflash(tiny_dir / "loopy-dflash", target_config, block_size=4)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def server_zygote(tmp_path_factory):
+    """One process that imports SGLang once and forks every CPU server of the session from it
+    (sglang_tts.bench.forkserver: a start takes ~5 s instead of ~35 s). Servers started by scripts the
+    tests run find it through the environment too. SGLANG_TTS_TEST_FORKSERVER=0: every server is a
+    fresh `python -m sglang.launch_server` process."""
+    from sglang_tts.bench import forkserver
+
+    if os.environ.get("SGLANG_TTS_TEST_FORKSERVER", "1") == "0":
+        yield None
+        return
+    where = tmp_path_factory.mktemp("zygote")
+    zygote = forkserver.start(where / "sock", where / "zygote.log")
+    os.environ[forkserver.ENV] = str(where / "sock")
+    try:
+        yield zygote
+    finally:
+        os.environ.pop(forkserver.ENV, None)
+        zygote.kill()
+        zygote.wait()

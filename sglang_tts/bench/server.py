@@ -24,6 +24,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sglang_tts.bench import forkserver
+
 # uvicorn binds the HTTP port only after SGLang's scheduler has started, so the port must be one no
 # process of the server can take first: not from the kernel's ephemeral range (every bind(0) and
 # connect() of the scheduler, gloo included, draws from it; a port found free by bind(0) here can be
@@ -209,7 +211,7 @@ def _memory_hint(log_tail: str) -> str:
 class ServerProcess:
     base_url: str
     port: int
-    proc: subprocess.Popen
+    proc: subprocess.Popen | forkserver.ForkedProcess
     log_path: pathlib.Path
     args: list[str] = field(default_factory=list)
 
@@ -264,7 +266,8 @@ def start_server(
     server got the whole KV pool they ask for (check_kv_pool). `die_with_parent` (Linux): the server is
     killed when the thread that calls this exits, its process's death included, even by SIGKILL, which
     runs no cleanup (SGLang's own children die with it); so call it from a thread that lives as long as
-    the server should (the main thread)."""
+    the server should (the main thread); a server forked by the zygote dies with the calling process.
+    With `SGLANG_TTS_FORKSERVER` naming a zygote, a CPU server is forked from it (`_forked`)."""
     port = free_port()
     args = [
         sys.executable,
@@ -284,10 +287,13 @@ def start_server(
     # Test-suite settings that must not reach the server (the Triton tests run the interpreter).
     proc_env.pop("TRITON_INTERPRET", None)
     proc_env.update(env or {})
-    preexec = _kill_when_parent_dies if die_with_parent and _PRCTL is not None else None
-    proc = subprocess.Popen(
-        args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True, preexec_fn=preexec
-    )
+    proc = _forked(args, proc_env, log_file.name)
+    if proc is None:
+        preexec = _kill_when_parent_dies if die_with_parent and _PRCTL is not None else None
+        proc = subprocess.Popen(
+            args, stdout=log_file, stderr=subprocess.STDOUT, env=proc_env, start_new_session=True, preexec_fn=preexec
+        )
+    log_file.close()
     server = ServerProcess(f"http://127.0.0.1:{port}", port, proc, pathlib.Path(log_file.name), args)
     try:
         _wait_healthy(server, timeout_s)
@@ -297,6 +303,25 @@ def start_server(
         stop_server(server)
         raise
     return server
+
+
+def _forked(args: Sequence[str], env: dict[str, str], log: str) -> forkserver.ForkedProcess | None:
+    """The server forked by the zygote that `SGLANG_TTS_FORKSERVER` names (sglang_tts.bench.forkserver), for
+    a CPU server; None without one, for another device, or when the zygote refuses (start it with Popen)."""
+    path = env.get(forkserver.ENV)
+    if not path or "cpu" not in _flag_values(args, "--device") or not forkserver.ready(path):
+        return None
+    message = {"op": "launch", "args": list(args[3:]), "env": env, "cwd": os.getcwd(), "log": log}
+    message.update(owner=os.getpid(), python=sys.executable)
+    try:
+        reply = forkserver.request(path, message)
+    except OSError:  # a zygote that stopped: start the usual way
+        return None
+    return forkserver.ForkedProcess(path, reply["pid"]) if "pid" in reply else None
+
+
+def _flag_values(args: Sequence[str], flag: str) -> list[str]:
+    return [args[i + 1] for i, a in enumerate(args[:-1]) if a == flag]
 
 
 def stop_server(server: ServerProcess, timeout_s: float = 30.0) -> None:

@@ -54,6 +54,7 @@ def rehearsal(kit, tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]
         "PYTHON": sys.executable,
     }
     env.pop("TRITON_INTERPRET", None)
+    env.pop("SGLANG_TTS_FORKSERVER", None)  # a GPU session's servers are fresh processes (no zygote there)
     # EAGLE-3 only: DFlash's server differs by its flags alone (test_server_flags_per_server_and_rung), and every
     # server costs this run half a minute of its two cores.
     args = ["--greedy-tokens", "16", "--sampled-tokens", "6", "--drafters", "eagle3", "--rehearse-fallback"]
