@@ -88,10 +88,23 @@ def _fork_children() -> None:
     real("fork", force=True)
 
 
+def _set_title(title: str) -> None:
+    """The process title `ps` shows (SGLang names its children the same way). The zygote sets one first of
+    all, while the C `environ` still sits after argv: setproctitle finds argv's memory from there, and
+    cannot once `os.environ` has been rewritten (as each forked server does), which would leave SGLang's
+    own titles ("sglang::scheduler") unset in every forked server."""
+    try:
+        import setproctitle
+    except ImportError:  # SGLang depends on it; without it titles are only cosmetic
+        return
+    setproctitle.setproctitle(title)
+
+
 def _run_server(request: dict[str, Any], plugin_env: dict[str, str]) -> None:
     """In the forked child: become the server `python -m sglang.launch_server ARGS`; never returns."""
     code = 1
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the zygote's handler
         os.setsid()
         _die_with_parent()
         fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -100,6 +113,7 @@ def _run_server(request: dict[str, Any], plugin_env: dict[str, str]) -> None:
         os.dup2(fd, 1)
         os.dup2(fd, 2)
         os.chdir(request["cwd"])
+        _set_title(" ".join(["python", "-m", "sglang.launch_server", *request["args"]]))
         os.environ.clear()
         os.environ.update(request["env"])
         os.environ.update(plugin_env)  # what load_plugins() set in the zygote (the CPU layer's variables)
@@ -153,6 +167,7 @@ def serve(path: str) -> None:
     """The zygote's loop: import SGLang, then answer launch and poll requests on the Unix socket `path`."""
     import importlib
 
+    _set_title(f"python -m sglang_tts.bench.forkserver --socket {path}")
     before = dict(os.environ)
     # As `python -m sglang.launch_server` does first: the plugins (the CPU layer among them) before the
     # modules, whose platform checks at import time read what the CPU layer sets.
@@ -168,6 +183,9 @@ def serve(path: str) -> None:
 
     owners: dict[int, int] = {}  # server pid -> the pid of the process that asked for it
     exited: OrderedDict[int, int] = OrderedDict()
+    # SIGTERM (kill, pkill) runs the cleanup below too; SIGKILL leaves a socket that _unlink_stale removes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    _unlink_stale(path)
     with _socket_files(path), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.bind(path)
         sock.listen(16)
@@ -180,7 +198,11 @@ def serve(path: str) -> None:
                 continue
             conn, _ = sock.accept()
             with conn:
-                request = json.loads(conn.makefile("r").readline())
+                conn.settimeout(10.0)  # a client that connects and sends nothing cannot stall the zygote
+                try:
+                    request = json.loads(conn.makefile("r").readline())
+                except (ValueError, OSError):  # an empty line (a probe that only connected), not JSON, a timeout
+                    continue
                 env = request.get("env", {})
                 differs = [name for name in IMPORT_TIME_ENV if env.get(name) not in allowed[name]]
                 if request.get("python", sys.executable) != sys.executable:
@@ -202,6 +224,18 @@ def serve(path: str) -> None:
                 else:
                     reply = {"error": f"unknown op {request['op']!r}"}
                 conn.sendall((json.dumps(reply) + "\n").encode())
+
+
+def _unlink_stale(path: str) -> None:
+    """A socket file left by a killed zygote (nobody accepts on it) is removed; a live zygote's is kept, and
+    bind then fails with "Address already in use"."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(path)
+        except ConnectionRefusedError:
+            os.unlink(path)
+        except (FileNotFoundError, OSError):
+            pass
 
 
 @contextlib.contextmanager

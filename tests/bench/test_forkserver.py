@@ -36,7 +36,10 @@ def test_a_forked_server_serves_what_a_fresh_one_does(zygote, server_zygote, tin
         assert isinstance(forked.proc, forkserver.ForkedProcess)
         launcher = psutil.Process(forked.proc.pid)
         assert launcher.ppid() == server_zygote.pid
-        assert len(launcher.children()) >= 2  # SGLang's scheduler and detokenizer
+        # SGLang's scheduler and detokenizer, named as SGLang names them (tests find the scheduler by its title)
+        titles = {" ".join(child.cmdline()).split()[0] for child in launcher.children()}
+        assert {"sglang::scheduler", "sglang::detokenizer"} <= titles, titles
+        assert launcher.cmdline()[:3] == ["python", "-m", "sglang.launch_server"]
         from_fork = generate_ids(forked.base_url, IDS, NEW_TOKENS)["output_ids"]
     assert not group_alive(forked.proc.pid)
     # SGLANG_TTS_CPU_SUPPORT is read when the plugin registers, which the zygote did with the variable unset:
@@ -98,3 +101,19 @@ def test_poll_reports_exit_codes_and_running_servers(zygote, tmp_path):
     log = (tmp_path / "log").read_text()
     assert "--model-path" in log and "RuntimeWarning" not in log  # runpy ran sglang.launch_server afresh
     assert forkserver.request(zygote, {"op": "poll", "pid": reply["pid"]}) == {"returncode": 2}
+
+
+def test_a_dead_zygotes_socket_is_replaced_and_a_live_ones_kept(tmp_path):
+    # A zygote started over the socket file of a SIGKILLed one binds it again; over a live one's, it fails.
+    path = str(tmp_path / "fs.sock")
+    import socket
+
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
+        dead.bind(path)  # a socket file nobody listens on: what a SIGKILLed zygote leaves
+    forkserver._unlink_stale(path)
+    assert not os.path.exists(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as live:
+        live.bind(path)
+        live.listen(1)
+        forkserver._unlink_stale(path)  # a live one is kept
+        assert os.path.exists(path)
