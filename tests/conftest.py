@@ -87,12 +87,5 @@ def server_zygote(tmp_path_factory):
     if os.environ.get("SGLANG_TTS_TEST_FORKSERVER", "1") == "0":
         yield None
         return
-    where = tmp_path_factory.mktemp("zygote")
-    zygote = forkserver.start(where / "sock", where / "zygote.log")
-    os.environ[forkserver.ENV] = str(where / "sock")
-    try:
+    with forkserver.running(tmp_path_factory.mktemp("zygote")) as zygote:
         yield zygote
-    finally:
-        os.environ.pop(forkserver.ENV, None)
-        zygote.kill()
-        zygote.wait()

@@ -264,6 +264,36 @@ def start(path: str | os.PathLike[str], log: str | os.PathLike[str]) -> Any:
     return zygote
 
 
+@contextlib.contextmanager
+def running(where: str | os.PathLike[str]) -> Iterator[Any]:
+    """A zygote in folder `where` (its socket and log there) for the duration of the block: CPU servers
+    that `start_server` starts meanwhile are forked from it (`SGLANG_TTS_FORKSERVER` is set in this process
+    and the ones it starts). It imports SGLang while the block goes on (a first server waits for it);
+    it is stopped (SIGTERM: it removes its socket) when the block ends."""
+    folder = os.fspath(where)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "sock")
+    zygote = start(path, os.path.join(folder, "zygote.log"))
+    previous = os.environ.get(ENV)
+    os.environ[ENV] = path
+    try:
+        yield zygote
+    finally:
+        if previous is None:
+            os.environ.pop(ENV, None)
+        else:
+            os.environ[ENV] = previous
+        zygote.terminate()
+        try:
+            zygote.wait(timeout=10)
+        except Exception:  # noqa: BLE001 - a zygote that does not stop is killed
+            zygote.kill()
+            zygote.wait()
+        for name in (path, path + ".pid"):  # left when it was stopped before it listened
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+
 def _write_pid(path: str, pid: int) -> None:
     with open(path + ".pid", "w") as f:
         f.write(str(pid))

@@ -117,3 +117,13 @@ def test_a_dead_zygotes_socket_is_replaced_and_a_live_ones_kept(tmp_path):
         live.listen(1)
         forkserver._unlink_stale(path)  # a live one is kept
         assert os.path.exists(path)
+
+
+def test_running_names_its_zygote_for_the_block_and_stops_it(tmp_path, monkeypatch):
+    monkeypatch.setenv(forkserver.ENV, "/an/outer/zygote")
+    with forkserver.running(tmp_path / "z") as zygote:
+        assert os.environ[forkserver.ENV] == str(tmp_path / "z" / "sock")
+        assert zygote.poll() is None  # importing SGLang
+    assert os.environ[forkserver.ENV] == "/an/outer/zygote"
+    assert zygote.returncode is not None
+    assert sorted(p.name for p in (tmp_path / "z").iterdir()) == ["zygote.log"]  # no socket, no pid file
