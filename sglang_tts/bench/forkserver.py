@@ -234,7 +234,7 @@ def _unlink_stale(path: str) -> None:
             probe.connect(path)
         except ConnectionRefusedError:
             os.unlink(path)
-        except (FileNotFoundError, OSError):
+        except OSError:  # no such file, or not a socket: bind says what is wrong
             pass
 
 
@@ -245,9 +245,14 @@ def _socket_files(path: str) -> Iterator[None]:
     try:
         yield
     finally:
-        for name in (path, path + ".pid"):
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+        _remove_files(path)
+
+
+def _remove_files(path: str) -> None:
+    """The zygote's socket and pid file, where they are."""
+    for name in (path, path + ".pid"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
 
 
 def start(path: str | os.PathLike[str], log: str | os.PathLike[str]) -> Any:
@@ -270,6 +275,8 @@ def running(where: str | os.PathLike[str]) -> Iterator[Any]:
     that `start_server` starts meanwhile are forked from it (`SGLANG_TTS_FORKSERVER` is set in this process
     and the ones it starts). It imports SGLang while the block goes on (a first server waits for it);
     it is stopped (SIGTERM: it removes its socket) when the block ends."""
+    import subprocess
+
     folder = os.fspath(where)
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, "sock")
@@ -286,12 +293,10 @@ def running(where: str | os.PathLike[str]) -> Iterator[Any]:
         zygote.terminate()
         try:
             zygote.wait(timeout=10)
-        except Exception:  # noqa: BLE001 - a zygote that does not stop is killed
+        except subprocess.TimeoutExpired:  # a zygote that does not stop is killed
             zygote.kill()
             zygote.wait()
-        for name in (path, path + ".pid"):  # left when it was stopped before it listened
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(name)
+        _remove_files(path)  # left when it was stopped before it listened
 
 
 def _write_pid(path: str, pid: int) -> None:

@@ -5,6 +5,7 @@ the process that asked for it, and what the zygote cannot stand in for is refuse
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -106,8 +107,6 @@ def test_poll_reports_exit_codes_and_running_servers(zygote, tmp_path):
 def test_a_dead_zygotes_socket_is_replaced_and_a_live_ones_kept(tmp_path):
     # A zygote started over the socket file of a SIGKILLed one binds it again; over a live one's, it fails.
     path = str(tmp_path / "fs.sock")
-    import socket
-
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:
         dead.bind(path)  # a socket file nobody listens on: what a SIGKILLed zygote leaves
     forkserver._unlink_stale(path)
