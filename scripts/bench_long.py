@@ -182,7 +182,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--warmup-tokens", type=int, help="unrecorded warm-up request per server (default 32, smoke 8; 0: none)"
     )
-    run.add_argument("--request-timeout", type=float, default=3600.0)
+    run.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds to wait for one request (default: sized for --max-new-tokens at 0.5 tokens/s, at least 3600)",
+    )
     run.add_argument("--server-timeout", type=float, default=900.0, help="seconds for a server to become healthy")
     run.add_argument("--out", type=Path, default=Path("results"), help="parent folder of the run folder")
     run.add_argument("--run", help="run folder name (default: a timestamp)")

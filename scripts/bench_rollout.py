@@ -102,7 +102,11 @@ def build_parser() -> argparse.ArgumentParser:
     run = parser.add_argument_group("run and report")
     run.add_argument("--bucket", type=int, help="output-position bucket in tokens (default 128; smoke 16)")
     run.add_argument("--warmup-tokens", type=int, help="warm-up request after each server start (default 32)")
-    run.add_argument("--request-timeout", type=float, default=3600.0)
+    run.add_argument(
+        "--request-timeout",
+        type=float,
+        help="seconds to wait for one sample (default: sized for --max-new-tokens at 0.5 tokens/s, at least 3600)",
+    )
     run.add_argument("--server-timeout", type=float, default=900.0)
     run.add_argument("--out", type=Path, default=Path("results"), help="parent folder of the run folder")
     run.add_argument("--run", help="run folder name (default: a timestamp); an existing run is continued")

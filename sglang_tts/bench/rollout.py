@@ -74,6 +74,7 @@ from sglang_tts.bench.runner import (
     flush_cache,
     get_json,
     record_from_response,
+    request_timeout,
 )
 from sglang_tts.bench.server import cpu_launch, waves_kv_tokens
 from sglang_tts.bench.workload import BenchPrompt, chat_prompts, prompt_token_counts, sample_prompts
@@ -198,7 +199,7 @@ class RolloutSettings:
     samples: int  # n: samples per prompt
     warmup_tokens: int = DEFAULT_WARMUP_TOKENS  # 0: no warm-up request
     probe_tokens: int = DEFAULT_PROBE_TOKENS  # drift mode: a greedy probe per step (0: none)
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float | None = None  # None: sized for max_new_tokens (runner.request_timeout)
     server_timeout_s: float = 900.0
     cpu_defaults: bool = True
     kv_tokens: int | None = None
@@ -683,7 +684,8 @@ class RolloutRunner:
                     f"step {step.index} runs on the launch weights, but the server serves {self._weights}"
                 )
             flush_cache(base_url)  # idle first: SGLang flushes after the update, which fails while requests run
-            log.update = update_weights(base_url, step.weights_path, step.weights, s.request_timeout_s)
+            update_timeout = request_timeout(0, s.request_timeout_s)
+            log.update = update_weights(base_url, step.weights_path, step.weights, update_timeout)
             self._weights = step.weights
         if self.plan.drift and s.probe_tokens > 0:
             log.probe = self._probe(base_url)
@@ -691,12 +693,13 @@ class RolloutRunner:
         flush_cache(base_url)  # every configuration, every step: the siblings of this step share what follows
         bar.set_postfix_str(f"{config.name} step {step.index} ({step.weights})")
         jobs = [(prompt, j) for prompt in step.prompts for j in range(s.samples)]
+        timeout = request_timeout(s.sampling.max_new_tokens, s.request_timeout_s)
 
         def one(prompt: BenchPrompt, j: int) -> tuple[dict[str, Any], float, float]:
             params = s.sampling.generate_params(prompt_id=sample_id(step.index, prompt, j))
             sent = time.perf_counter()
             custom = custom_params(group_id(step.index, prompt), config.speculative)
-            out = generate(base_url, prompt, params, custom, s.request_timeout_s)
+            out = generate(base_url, prompt, params, custom, timeout)
             done = time.perf_counter()
             return out, done - sent, done
 
@@ -1366,7 +1369,7 @@ class RolloutArgs:
     bucket: int | None = None
     warmup_tokens: int | None = None
     probe_tokens: int = DEFAULT_PROBE_TOKENS
-    request_timeout: float = 3600.0
+    request_timeout: float | None = None
     server_timeout: float = 900.0
     out: Path = Path("results")
     run: str | None = None

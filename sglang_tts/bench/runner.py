@@ -477,6 +477,20 @@ def record_from_response(
 # ----------------------------------------------------------------------------------------------------------
 
 
+# A request's timeout when none is given: time for its answer at MIN_TOKENS_PER_S, never under an hour.
+# One answer of 8,192 sampled tokens at a 10-18K-token context ran at 1.4-2.6 tokens/s on the 2-core CPU
+# (2026-12-03) and ran past the hour the old fixed timeout allowed, losing the request.
+MIN_TOKENS_PER_S = 0.5
+MIN_REQUEST_TIMEOUT_S = 3600.0
+
+
+def request_timeout(max_new_tokens: int, given: float | None = None) -> float:
+    """Seconds a request of up to `max_new_tokens` is waited for: `given`, or sized for its length."""
+    if given is not None:
+        return given
+    return max(MIN_REQUEST_TIMEOUT_S, max_new_tokens / MIN_TOKENS_PER_S)
+
+
 @dataclass
 class RunnerSettings:
     """How servers are launched and requests are sent (shared by every configuration)."""
@@ -491,7 +505,7 @@ class RunnerSettings:
     api: str = "openai"  # "openai" (/v1/chat/completions through the openai client) | "generate"
     stream: bool = False  # api "generate" only: stream responses and record the time to the first token
     warmup_tokens: int = 32  # 0: no warm-up request
-    request_timeout_s: float = 3600.0
+    request_timeout_s: float | None = None  # None: sized per request (request_timeout)
     server_timeout_s: float = 900.0
     cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(kv_tokens)
     kv_tokens: int | None = None  # KV pool the waves need (server.kv_pool_tokens); None: the CPU default
@@ -532,10 +546,11 @@ class Runner:
     ) -> Response:
         s = self.settings
         sampling = sampling or s.sampling
+        timeout = request_timeout(max_new_tokens or sampling.max_new_tokens, s.request_timeout_s)
         if s.api == "openai":
             model = s.served_model or s.model
-            return send_openai(base_url, model, prompt, sampling, details, s.request_timeout_s, max_new_tokens)
-        return send_generate(base_url, prompt, sampling, details, s.request_timeout_s, max_new_tokens, s.stream)
+            return send_openai(base_url, model, prompt, sampling, details, timeout, max_new_tokens)
+        return send_generate(base_url, prompt, sampling, details, timeout, max_new_tokens, s.stream)
 
     def _stop(self) -> None:
         from sglang_tts.bench.server import stop_server

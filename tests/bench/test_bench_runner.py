@@ -29,6 +29,7 @@ from sglang_tts.bench.runner import (
     parse_mode,
     plan_schedule,
     record_from_response,
+    request_timeout,
     send_generate,
     send_openai,
     split_rounds,
@@ -419,6 +420,24 @@ def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
     assert wave is not None and all(r.wave_wall_s == wave for r in batched)
     assert batched[0].share_wall_s == pytest.approx(wave / 3) and single[0].share_wall_s == single[0].wall_s
     assert all(r.wall_s <= wave + 1e-6 for r in batched)
+
+
+def test_a_request_waits_as_long_as_its_answer_needs(monkeypatch):
+    """No --request-timeout: a request is waited for at least an hour, longer for a long answer (8,192
+    tokens at 0.5 tokens/s; an hour lost one such answer on the 2-core CPU); a given timeout is kept."""
+    from sglang_tts.bench import runner as runner_module
+
+    assert request_timeout(1024) == 3600.0
+    assert request_timeout(8192) == 16384.0
+    assert request_timeout(8192, given=60.0) == 60.0
+    seen: list[float] = []
+    monkeypatch.setattr(runner_module, "send_openai", lambda *args: seen.append(args[5]))
+    prompt = BenchPrompt("p", "d", messages=({"role": "user", "content": "q"},))
+    sized = Runner(RunnerSettings(model="m", sampling=SamplingSettings(max_new_tokens=8192)))
+    sized._send("http://x", prompt, details=False)
+    sized._send("http://x", prompt, details=False, max_new_tokens=16)  # a warm-up request
+    Runner(RunnerSettings(model="m", request_timeout_s=90.0))._send("http://x", prompt, details=False)
+    assert seen == [16384.0, 3600.0, 90.0]
 
 
 class _FakeNgram(_FakeSGLang):

@@ -153,3 +153,37 @@ def test_seeded_target_tokens_follow_the_seed_and_position(monkeypatch):
     assert torch.equal(b[:3], b[3:])
     info.temperatures = torch.full((2, 1), 1e-4)  # near-greedy: the argmax
     assert torch.equal(seeded_sampling.seeded_target_tokens(logits, info, positions, 3), logits.argmax(-1))
+
+
+def test_a_seeded_sample_that_fails_falls_back_to_the_targets_distribution(monkeypatch, caplog):
+    """A seeded verify whose seeded draw raises (here: a batch without seeds) walks against unseeded
+    samples of the same distributions instead: the round goes on, its tokens are still the target's
+    samples, and the failure is counted and logged once with its traceback."""
+    from types import SimpleNamespace
+
+    from sglang_tts.platform import cpu
+
+    monkeypatch.syspath_prepend(str(cpu.SHIM_DIR))
+    monkeypatch.setattr(seeded_sampling, "FAILURES", seeded_sampling.SeededFailures())
+    # one request, 2 nodes; over 3 tokens the target puts 0.75 / 0.25 / 0 on tokens 0 / 1 / 2
+    logits = torch.log(torch.tensor([[0.75, 0.25, 1e-12], [0.75, 0.25, 1e-12]]))
+    info = SimpleNamespace(
+        temperatures=torch.ones(1, 1),
+        top_ps=torch.ones(1),
+        top_ks=torch.full((1,), 3),
+        min_ps=torch.zeros(1),
+        sampling_seed=None,  # the seeded draw cannot run
+        need_top_p_sampling=False,
+        need_top_k_sampling=False,
+        need_min_p_sampling=False,
+    )
+    verify = seeded_sampling.SeededVerify(logits=logits, info=info, positions=torch.tensor([4, 5]), width=2)
+    with caplog.at_level("ERROR", logger=seeded_sampling.__name__):
+        draws = torch.stack([verify.sample() for _ in range(2000)])  # [2000, 2]
+    assert seeded_sampling.FAILURES.count == 2000
+    assert "TypeError" in seeded_sampling.FAILURES.last_error
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1 and "unseeded" in tracebacks[0].getMessage()
+    assert set(draws.unique().tolist()) <= {0, 1}
+    share = (draws == 1).float().mean().item()
+    assert abs(share - 0.25) < 0.04, share  # 4.5 standard deviations of 4,000 draws

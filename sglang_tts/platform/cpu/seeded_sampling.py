@@ -32,19 +32,55 @@ filters by top-k / top-p, ranks when any does). The parallel samples of one requ
 its seed, hence its text, as under SGLang's deterministic mode: give each sample its own seed.
 DFlash's verify (`dflash_utils`) keeps SGLang's coin-based path: its seeded coins are deterministic
 but depend on the draft.
+
+A seeded sample that raises is not the end of the round: the verify walks against unseeded samples
+of the same distributions instead (each committed token is still a target sample given the true
+prefix, so the distribution is kept; that round is not reproducible), and the failure is counted
+(`FAILURES`) and logged, with its traceback the first time, then once per `LOG_EVERY`.
 """
 
 from __future__ import annotations
 
 import contextvars
+import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+logger = logging.getLogger(__name__)
+
 SEED_ATTR = "_sglang_tts_sampling_seed"  # a Req's seed when it gave none (drawn once)
 _rng = random.SystemRandom()
+LOG_EVERY = 100
+
+
+@dataclass
+class SeededFailures:
+    """Seeded verify samples that raised and were replaced by unseeded ones (per process)."""
+
+    count: int = 0
+    last_error: str = ""
+
+    def record(self, error: BaseException) -> None:
+        self.count += 1
+        self.last_error = f"{type(error).__name__}: {error}"
+        if self.count == 1:
+            logger.error(
+                "sglang-tts: a seeded verify sample failed; this round verifies against unseeded samples "
+                "(the target's distribution, not reproducible); logged once with its traceback, then every "
+                "%d failures",
+                LOG_EVERY,
+                exc_info=error,
+            )
+        elif self.count % LOG_EVERY == 0:
+            logger.warning(
+                "sglang-tts: seeded verify samples failed %d times so far (last: %s)", self.count, self.last_error
+            )
+
+
+FAILURES = SeededFailures()
 
 
 def request_seed(req: Any) -> int:
@@ -104,13 +140,21 @@ class SeededVerify:
     width: int  # n, nodes per request (draft_token_num)
 
     def sample(self) -> torch.Tensor:
-        """[bs * n] the target's seeded sample after every node, as SGLang's sampler draws it."""
-        return seeded_target_tokens(self.logits, self.info, self.positions, self.width)
+        """[bs * n] the target's seeded sample after every node, as SGLang's sampler draws it; if that
+        raises, an unseeded sample of the same distributions (counted in `FAILURES`)."""
+        try:
+            return seeded_target_tokens(self.logits, self.info, self.positions, self.width)
+        except Exception as error:  # noqa: BLE001 - a verify must not fail the batch over its seed
+            FAILURES.record(error)
+            return seeded_target_tokens(self.logits, self.info, self.positions, self.width, seeded=False)
 
 
-def seeded_target_tokens(logits: torch.Tensor, info: Any, positions: torch.Tensor, width: int) -> torch.Tensor:
+def seeded_target_tokens(
+    logits: torch.Tensor, info: Any, positions: torch.Tensor, width: int, seeded: bool = True
+) -> torch.Tensor:
     """The token SGLang's pytorch sampler draws after each row of `logits` with the row's request's
-    seed at the row's position (`Sampler.forward`: temperature, softmax, `_sample_from_probs`).
+    seed at the row's position (`Sampler.forward`: temperature, softmax, `_sample_from_probs`);
+    `seeded=False`: a fresh random draw from the same distribution instead.
 
     logits: [bs * width, vocab]; info: SamplingBatchInfo of the bs requests; positions: [bs * width].
     Returns [bs * width] int64. Rows of greedy requests (top-k 1) come out as their argmax.
@@ -122,7 +166,7 @@ def seeded_target_tokens(logits: torch.Tensor, info: Any, positions: torch.Tenso
         return torch.repeat_interleave(t, width, dim=0)
 
     probs = sampling_softmax(logits, temperatures=per_node(info.temperatures))  # [bs * width, vocab]
-    seeds = per_node(info.sampling_seed)  # [bs * width]
+    seeds = per_node(info.sampling_seed) if seeded else None  # [bs * width]
     pos = positions.reshape(-1).to(torch.int64)  # [bs * width]
     if not (info.need_top_p_sampling or info.need_top_k_sampling or info.need_min_p_sampling):
         tokens = sampling_from_probs_torch(probs, sampling_seed=seeds, positions=pos)
