@@ -164,7 +164,8 @@ def test_a_seeded_sample_that_fails_falls_back_to_the_targets_distribution(monke
     from sglang_tts.platform import cpu
 
     monkeypatch.syspath_prepend(str(cpu.SHIM_DIR))
-    monkeypatch.setattr(seeded_sampling, "FAILURES", seeded_sampling.SeededFailures())
+    failures = seeded_sampling.FailureLog()
+    monkeypatch.setattr(seeded_sampling, "FAILURES", failures)
     # one request, 2 nodes; over 3 tokens the target puts 0.75 / 0.25 / 0 on tokens 0 / 1 / 2
     logits = torch.log(torch.tensor([[0.75, 0.25, 1e-12], [0.75, 0.25, 1e-12]]))
     info = SimpleNamespace(
@@ -178,12 +179,12 @@ def test_a_seeded_sample_that_fails_falls_back_to_the_targets_distribution(monke
         need_min_p_sampling=False,
     )
     verify = seeded_sampling.SeededVerify(logits=logits, info=info, positions=torch.tensor([4, 5]), width=2)
-    with caplog.at_level("ERROR", logger=seeded_sampling.__name__):
+    with caplog.at_level("ERROR", logger="sglang_tts.sglang.failures"):
         draws = torch.stack([verify.sample() for _ in range(2000)])  # [2000, 2]
-    assert seeded_sampling.FAILURES.count == 2000
-    assert "TypeError" in seeded_sampling.FAILURES.last_error
+    assert failures.counts[seeded_sampling.SITE] == 2000
+    assert "TypeError" in failures.last_error[seeded_sampling.SITE]
     tracebacks = [r for r in caplog.records if r.exc_info]
-    assert len(tracebacks) == 1 and "unseeded" in tracebacks[0].getMessage()
+    assert len(tracebacks) == 1 and "seeded_verify failed" in tracebacks[0].getMessage()
     assert set(draws.unique().tolist()) <= {0, 1}
     share = (draws == 1).float().mean().item()
     assert abs(share - 0.25) < 0.04, share  # 4.5 standard deviations of 4,000 draws

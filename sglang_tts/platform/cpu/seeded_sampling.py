@@ -36,51 +36,28 @@ but depend on the draft.
 A seeded sample that raises is not the end of the round: the verify walks against unseeded samples
 of the same distributions instead (each committed token is still a target sample given the true
 prefix, so the distribution is kept; that round is not reproducible), and the failure is counted
-(`FAILURES`) and logged, with its traceback the first time, then once per `LOG_EVERY`.
+(`FAILURES`, site `seeded_verify`) and logged, with its traceback the first time, then once per 100.
 """
 
 from __future__ import annotations
 
 import contextvars
-import logging
 import random
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-logger = logging.getLogger(__name__)
+from sglang_tts.sglang.failures import FailureLog
 
 SEED_ATTR = "_sglang_tts_sampling_seed"  # a Req's seed when it gave none (drawn once)
 _rng = random.SystemRandom()
-LOG_EVERY = 100
 
 
-@dataclass
-class SeededFailures:
-    """Seeded verify samples that raised and were replaced by unseeded ones (per process)."""
-
-    count: int = 0
-    last_error: str = ""
-
-    def record(self, error: BaseException) -> None:
-        self.count += 1
-        self.last_error = f"{type(error).__name__}: {error}"
-        if self.count == 1:
-            logger.error(
-                "sglang-tts: a seeded verify sample failed; this round verifies against unseeded samples "
-                "(the target's distribution, not reproducible); logged once with its traceback, then every "
-                "%d failures",
-                LOG_EVERY,
-                exc_info=error,
-            )
-        elif self.count % LOG_EVERY == 0:
-            logger.warning(
-                "sglang-tts: seeded verify samples failed %d times so far (last: %s)", self.count, self.last_error
-            )
-
-
-FAILURES = SeededFailures()
+# Seeded verify samples that raised and were replaced by unseeded ones (per process; site SITE): logged as
+# every TTS failure is, with its traceback the first time, then one line per `log_every` failures.
+SITE = "seeded_verify"
+FAILURES = FailureLog()
 
 
 def request_seed(req: Any) -> int:
@@ -145,7 +122,7 @@ class SeededVerify:
         try:
             return seeded_target_tokens(self.logits, self.info, self.positions, self.width)
         except Exception as error:  # noqa: BLE001 - a verify must not fail the batch over its seed
-            FAILURES.record(error)
+            FAILURES.record(SITE, error, [])
             return seeded_target_tokens(self.logits, self.info, self.positions, self.width, seeded=False)
 
 
