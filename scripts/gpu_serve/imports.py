@@ -52,6 +52,10 @@ SERVING_MODULES = (
     "sglang.srt.models.qwen2",
     "sglang.srt.models.qwen3",
 )
+# What a server process imports lazily on CUDA while it builds the model (after the plugins load): each must
+# import, from SGLang or from a stand-in the gpu_serve plugin installed. Found on the first GPU run: Llama's MLP
+# imports the CuTe-DSL dual GEMM (which needs cutlass) in its constructor.
+MODEL_BUILD_MODULES = ("sglang.kernels.ops.gemm.cutedsl_dual_gemm",)
 FAKE_DEVICE = "NVIDIA H200 (faked for imports)"
 HERE = Path(__file__).resolve().parent
 # Imported from the checkout or the stand-ins, not from an installed distribution.
@@ -135,6 +139,7 @@ class ImportReport:
     compat_differences: list[str] = field(default_factory=list)
     routed: list[str] = field(default_factory=list)
     routed_ops_ran: dict[str, str] = field(default_factory=dict)  # op -> "ok" or the error
+    model_build_modules: dict[str, str] = field(default_factory=dict)  # module -> "sglang" or "stand-in"
     distributions: dict[str, str] = field(default_factory=dict)  # every installed distribution imported -> version
     not_on_gpu_machine: list[str] = field(default_factory=list)  # of those, in neither the image nor the wheelhouse
     error: str = ""
@@ -253,6 +258,9 @@ def run(fake: bool) -> ImportReport:
         from sglang_tts.platform import cpu
         from sglang_tts.sglang import compat
 
+        for name in MODEL_BUILD_MODULES:
+            module = importlib.import_module(name)
+            report.model_build_modules[name] = "stand-in" if getattr(module, "SGLANG_TTS_GPU_STANDIN", 0) else "sglang"
         report.tts_registered = get_spec("TTS") is not None
         report.cpu_layer_active = cpu._installed
         compat_report = compat.check(compat.register_scopes(cpu_active=False))

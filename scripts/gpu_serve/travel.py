@@ -3,9 +3,10 @@
 
 The device tool copies the working tree: tracked files, untracked files git does not ignore, and the
 ignored paths a call names in `carry`, at most 64 MiB in all. The shipped drafters
-(sglang_tts/drafters/shipped/, about 68 MiB) alone are over that, and the GPU run does not read them
-(it builds tiny models on the spot). So a session moves them out of the working tree for the run and
-back afterwards:
+(sglang_tts/drafters/shipped/, about 68 MiB) alone are over that, and the committed benchmark results
+(docs/results/, 36 MiB on 2026-12-04 and growing) would leave too little room for the wheelhouse. The GPU
+run reads neither (it builds tiny models on the spot), so a session moves them out of the working tree for
+the run and back afterwards:
 
     .venv/bin/python scripts/gpu_serve/travel.py size              # what would travel now (+ .gpukit)
     .venv/bin/python scripts/gpu_serve/travel.py leave             # move the drafters to a cache folder
@@ -36,7 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 LIMIT_BYTES = 64 * 1024 * 1024  # the device tool's limit on what travels
-LEAVE_PATHS = ("sglang_tts/drafters/shipped",)  # what a GPU run leaves behind
+# What a GPU run leaves behind: the shipped drafters and the committed benchmark results, neither read by it.
+LEAVE_PATHS = ("sglang_tts/drafters/shipped", "docs/results")
 CARRY_PATHS = (".gpukit",)  # what it carries (scripts/gpu_serve/build.py writes it)
 MANIFEST = "travel.json"
 MIB = 1024 * 1024
@@ -93,7 +95,7 @@ def format_size(size: TravelSize, top: int = 8) -> str:
     rows = [("tracked files", size.tracked), ("untracked, not ignored", size.untracked)]
     rows += [(f"carried {name}", n) for name, n in size.carried.items()]
     rows += [("total", size.total)]
-    verdict = "fits" if size.fits else "TOO LARGE (travel.py leave moves the shipped drafters out)"
+    verdict = "fits" if size.fits else "TOO LARGE (travel.py leave moves the shipped drafters and docs/results out)"
     lines = [f"{label:<24} {n / MIB:7.1f} MiB" for label, n in rows]
     lines[-1] += f" of {LIMIT_BYTES / MIB:.0f} MiB: {verdict}"
     lines.append("largest folders:")

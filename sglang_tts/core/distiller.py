@@ -173,7 +173,7 @@ class _RollbackPoint:
                     state[key] = value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
 
 
-def _select_trainable(named: list[tuple[str, nn.Parameter]], prefixes: tuple[str, ...] | None) -> list[str]:
+def select_trainable(named: list[tuple[str, nn.Parameter]], prefixes: tuple[str, ...] | None) -> list[str]:
     names = [n for n, _ in named if prefixes is None or any(n.startswith(p) for p in prefixes)]
     if not names:
         raise TTSConfigError(f"--tts-trainable {prefixes} selects none of the drafter's trainable parameters")
@@ -219,7 +219,7 @@ class Distiller:
         self.fault_injector = fault_injector
         self.stats = DistillerStats()
 
-        self.train_names = _select_trainable(drafter.trainable_named_parameters(), config.trainable)
+        self.train_names = select_trainable(drafter.trainable_named_parameters(), config.trainable)
         # The module to draft with when publisher is None; None when an engine owns the inference copy.
         self.serving_drafter: nn.Module | None = drafter if publisher is None else None
         # Private: only the update (in the executor) and reset() touch it.

@@ -207,3 +207,26 @@ def test_the_sampled_verify_check_runs_as_it_will_on_cuda(gpu_check, monkeypatch
     monkeypatch.setattr(gpu_check, "SAMPLED_VERIFY_SHAPE", (32, 6, 500, 4))
     detail = gpu_check.check_sampled_verify_ops(PretendCuda(torch.device("cpu")))
     assert "32 of 32 rows equal to CPU" in detail, detail
+
+
+def test_the_scale_check_trains_the_subset_it_is_given(gpu_check, rehearsal):
+    """--trainable (as --tts-trainable) on the 8B-scale update: only the named parameters train and publish."""
+    [fc] = gpu_check.run_checks("cpu", ["update_at_scale"], scale="tiny", trainable=["fc"])
+    assert fc.result == "pass", fc.detail
+    assert fc.metrics["trainable"] == ["fc"] and rehearsal.metrics["trainable"] == "all"
+    for name, drafter in fc.metrics["drafters"].items():
+        assert 0 < drafter["trained_params"] < rehearsal.metrics["drafters"][name]["trained_params"], name
+    spec = gpu_check.SCALES["tiny"]
+    assert fc.metrics["drafters"]["eagle3-128"]["trained_params"] == spec.hidden * 3 * spec.hidden  # fc: 3H -> H
+    [none] = gpu_check.run_checks("cpu", ["update_at_scale"], scale="tiny", trainable=["no_such_layer"])
+    assert none.result == "fail" and "selects none" in none.detail
+
+
+def test_the_scale_runs_summary_and_plot(gpu_check, rehearsal, tmp_path):
+    plot = load_script("plot_update_at_scale", "plot_update_at_scale")
+    report = {"device_name": "cpu", "checks": [{"name": "update_at_scale", "metrics": rehearsal.metrics}]}
+    (tmp_path / "all.json").write_text(json.dumps(report))
+    assert plot.main([str(tmp_path / "all.json"), "--out", str(tmp_path / "out")]) == 0
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert summary.count("| all | all |") == 3 and "hidden S=5" in summary and "cost S=10" in summary
+    assert (tmp_path / "out" / "cost_by_stride.png").read_bytes()[:4] == b"\x89PNG"

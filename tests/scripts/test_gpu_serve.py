@@ -81,7 +81,10 @@ def test_sglang_imports_from_the_repacked_wheel_under_faked_cuda(rehearsal) -> N
     assert report["sgl_kernel"] == "stand-in" and report["sgl_kernel_names_bound"]
     assert report["tts_registered"] and report["compat_ok"] and report["cpu_layer_active"] is False
     assert "sglang_tts_gpu_serve = sglang_tts_gpu_serve:register" in report["plugins"]
-    assert len(report["routed"]) == 5  # sampled verify, top-k and top-p renorm, Triton tree build and verify
+    # the CuTe-DSL dual GEMM stand-in, sampled verify, top-k and top-p renorm, Triton tree build and verify
+    assert len(report["routed"]) == 6
+    # what a server imports while it builds the model on CUDA (Llama's MLP: the dual GEMM, which needs cutlass)
+    assert report["model_build_modules"] == {"sglang.kernels.ops.gemm.cutedsl_dual_gemm": "stand-in"}
     # Every installed package the imports used is in the GPU image's list, the wheelhouse, or known optional.
     assert "torch" in report["distributions"] and "fastapi" in report["distributions"]
     assert report["not_on_gpu_machine"] == []
@@ -292,3 +295,49 @@ def test_server_flags_per_server_and_rung(tmp_path) -> None:
     cpu = check.Settings(cpu=True, out=tmp_path, work=tmp_path, deadline=0.0)
     on_cpu = check.server_args(cpu, models, "dflash", check.LADDER[0])
     assert on_cpu[on_cpu.index("--device") + 1] == "cpu" and "--enable-metrics" in on_cpu
+
+
+def test_the_dual_gemm_stand_in_never_applies_and_keeps_the_real_modes(monkeypatch) -> None:
+    """Found on the first H200 run: Llama's MLP constructor imports SGLang's CuTe-DSL dual GEMM on CUDA, which
+    imports cutlass (not on the GPU machine), and every server died at model load. The gpu_serve plugin's
+    stand-in answers "never applies" with the real module's names; the real module is left alone where cutlass
+    exists."""
+    sys.path.insert(0, str(STANDIN / "plugins"))
+    try:
+        import sglang_tts_gpu_serve as plugin
+    finally:
+        sys.path.remove(str(STANDIN / "plugins"))
+    monkeypatch.setattr(plugin, "ROUTED", [])
+    monkeypatch.delitem(sys.modules, plugin.DUAL_GEMM_MODULE, raising=False)
+    find_spec = plugin.importlib.util.find_spec
+    no_cutlass = lambda name, *args: None if name == "cutlass" else find_spec(name, *args)  # noqa: E731
+    monkeypatch.setattr(plugin.importlib.util, "find_spec", no_cutlass)
+    assert plugin.stand_in_dual_gemm() and plugin.ROUTED == [plugin.DUAL_GEMM_MODULE]
+    module = sys.modules[plugin.DUAL_GEMM_MODULE]
+    real = REPO / ".venv" / "lib"  # the real module's modes, read from its source (importing it needs cutlass)
+    source = next(real.glob("python3*/site-packages/sglang/kernels/ops/gemm/cutedsl_dual_gemm.py")).read_text()
+    for mode in module.DualGemmQuantMode:
+        assert f"    {mode.name} = {mode.value}\n" in source
+    assert "MAX_DUAL_GEMM_DECODE_TOKENS = 16" in source and module.MAX_DUAL_GEMM_DECODE_TOKENS == 16
+    assert module.can_use_dual_gemm(16, 4096, 14336, module.DualGemmQuantMode.UNQUANT) is False
+    assert not module.DualGemmQuantMode.UNQUANT.is_quantized and module.DualGemmQuantMode.STATIC_PER_TENSOR.is_quantized
+    with pytest.raises(NotImplementedError, match="cutlass"):
+        module.dual_gemm_swiglu(None, None)
+    assert not plugin.stand_in_dual_gemm()  # once: an installed module (real or stand-in) is never replaced
+
+    # SGLang's own caller, as the model's constructor runs it, picks no dual GEMM mode
+    from sglang.srt.layers import dual_gemm
+
+    monkeypatch.setattr(dual_gemm, "is_cuda", lambda: True)
+
+    class Proj:
+        quant_method = None
+        params_dtype = None
+        output_partition_sizes = [14336]
+
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    proj = Proj()
+    proj.quant_method = UnquantizedLinearMethod()
+    proj.params_dtype = __import__("torch").bfloat16
+    assert dual_gemm.DualGemm._select_mode(object.__new__(dual_gemm.DualGemm), proj, 4096) is None

@@ -122,3 +122,16 @@ def test_the_command_line_reports_and_exits_by_the_outcome(repo: Path, tmp_path:
 
 def test_the_default_cache_is_outside_the_checkout() -> None:
     assert not travel.default_cache(travel.REPO).resolve().is_relative_to(travel.REPO)
+
+
+# The wheelhouse scripts/gpu_serve/build.py writes (26.2 MiB on 2026-11-28) with room for a few more wheels.
+WHEELHOUSE_ALLOWANCE = 30 * 1024 * 1024
+
+
+def test_this_checkout_fits_once_the_left_paths_are_away() -> None:
+    """What a GPU run sends from this repository (tracked files outside LEAVE_PATHS, plus the wheelhouse)
+    stays under the device tool's limit: a folder that grows past it must join LEAVE_PATHS, or shrink."""
+    tracked = [p for p in _git(travel.REPO, "ls-files", "-z").split("\0") if p]
+    staying = [p for p in tracked if not any(p == left or p.startswith(left + "/") for left in travel.LEAVE_PATHS)]
+    sent = sum((travel.REPO / p).stat().st_size for p in staying if (travel.REPO / p).is_file())
+    assert sent + WHEELHOUSE_ALLOWANCE <= travel.LIMIT_BYTES, f"{sent / travel.MIB:.1f} MiB of tracked files travel"

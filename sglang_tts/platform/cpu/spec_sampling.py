@@ -92,9 +92,11 @@ def top_p_renorm_prob(probs: torch.Tensor, top_p: torch.Tensor | float) -> torch
     rows, vocab = probs.shape
     if rows == 0:
         return probs
-    ps = _per_row(top_p, rows, torch.float32, probs.device)  # [rows]
+    ps = _per_row(top_p, rows, torch.float64, probs.device)  # [rows]
     ascending = probs.sort(dim=-1).values  # [rows, vocab]
-    cdf = ascending.cumsum(-1)  # [rows, vocab]
+    # The running mass in float64: CPU's cumsum accumulates float32 in double, CUDA's in float32, whose error
+    # over a 32K-128K vocabulary (~1e-6) moves the cutoff past tail tokens of ~1e-5 on a few rows in a hundred.
+    cdf = ascending.double().cumsum(-1)  # [rows, vocab]
     cutoff = torch.searchsorted(cdf, (1.0 - ps)[:, None].contiguous(), right=False).clamp_max(vocab - 1)  # [rows, 1]
     pivots = ascending.gather(1, cutoff).squeeze(1)  # [rows]
     return _keep_from_pivot(probs, pivots)
