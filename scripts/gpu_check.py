@@ -97,6 +97,9 @@ class Context:
     scale: str = "auto"  # update_at_scale's sizes: "8b", "tiny", or "auto" (8b on CUDA, tiny elsewhere)
     round_ms: float | None = None  # update_at_scale's round time; None: the scale's
     trainable: tuple[str, ...] | None = None  # update_at_scale's trained parameters (name prefixes); None: all
+    # update_at_scale: serve on a stream of this CUDA priority (lower is more urgent; the side stream keeps the
+    # default 0, the least urgent); None: the default stream, as SGLang serves
+    serving_priority: int | None = None
 
     @property
     def cuda(self) -> bool:
@@ -1371,6 +1374,16 @@ def check_update_at_scale(ctx: Context) -> tuple[str, dict[str, Any]]:
     spec = SCALES[ctx.scale_name]
     if spec.name == "8b" and not ctx.cuda:
         raise Skip("the 8b scale needs a GPU (about 30 GB and minutes on a CPU): on CPU run --scale tiny")
+    if ctx.serving_priority is not None and ctx.cuda:
+        serving = torch.cuda.Stream(ctx.device, priority=ctx.serving_priority)
+        with torch.cuda.stream(serving):
+            detail, metrics = _update_at_scale(ctx, spec)
+        metrics["serving_priority"] = serving.priority
+        return detail + f" (serving stream priority {serving.priority})", metrics
+    return _update_at_scale(ctx, spec)
+
+
+def _update_at_scale(ctx: Context, spec: ScaleSpec) -> tuple[str, dict[str, Any]]:
     stand_in = VerifyStandIn(spec, ctx.device)
     stand_in.calibrate(ctx.round_ms or spec.round_ms)
     builders: list[tuple[str, Callable[[], Any]]] = [
@@ -1480,13 +1493,14 @@ def run_checks(
     scale: str = "auto",
     round_ms: float | None = None,
     trainable: Sequence[str] | None = None,
+    serving_priority: int | None = None,
 ) -> list[CheckResult]:
     unknown = sorted(set(names or ()) - {c.name for c in CHECKS})
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {[c.name for c in CHECKS]}")
     if scale not in ("auto", *SCALES):
         raise ValueError(f"unknown scale {scale!r}; known: auto, {', '.join(SCALES)}")
-    ctx = Context(torch.device(device), scale, round_ms, tuple(trainable) if trainable else None)
+    ctx = Context(torch.device(device), scale, round_ms, tuple(trainable) if trainable else None, serving_priority)
     return [run_check(c, ctx) for c in CHECKS if not names or c.name in names]
 
 
@@ -1571,6 +1585,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="PREFIX",
         help="update_at_scale: train only parameters whose names start with these (--tts-trainable); default all",
     )
+    parser.add_argument(
+        "--serving-priority",
+        type=int,
+        metavar="P",
+        help="update_at_scale: serve on a CUDA stream of priority P (lower: more urgent); default: the default stream",
+    )
     parser.add_argument("--only", action="append", metavar="CHECK", help="run only this check (repeatable)")
     parser.add_argument("--list", action="store_true", help="list the checks and where they run, then exit")
     args = parser.parse_args(argv)
@@ -1589,7 +1609,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or platform.machine()
     header = f"gpu_check on {device} ({where}); torch {torch.__version__}, triton {_version('triton') or 'absent'}"
     print(header)
-    results = run_checks(device, args.only, args.scale, args.round_ms, args.trainable)
+    results = run_checks(device, args.only, args.scale, args.round_ms, args.trainable, args.serving_priority)
     print(format_table(results))
     for r in results:
         if r.metrics is not None and r.name == "update_at_scale":
