@@ -61,11 +61,9 @@ def markdown(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def plot(runs: Sequence[dict[str, Any]], out: Path) -> None:
-    import matplotlib
+    from sglang_tts.bench.report import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     drafters = list(dict.fromkeys(name for run in runs for name in run["drafters"]))
     fig, axes = plt.subplots(1, len(drafters), figsize=(4.2 * len(drafters), 4.2), sharey=True, squeeze=False)
     for ax, drafter in zip(axes[0], drafters):
