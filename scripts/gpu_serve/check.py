@@ -94,7 +94,7 @@ class Settings:
     sampled_tokens: int = 128
     stride: int = 3
     start_timeout_s: float = 240.0
-    drafters: tuple[str, ...] = ("eagle3", "dflash")
+    drafters: tuple[str, ...] = ("eagle3", "hybrid", "dflash")
     rehearse_fallback: bool = False  # the first TTS server's first attempt is made to fail at launch
 
     def left(self) -> float:
@@ -118,7 +118,10 @@ LADDER = (
     Attempt("d", "Triton tree kernels, no overlap, --disable-cuda-graph", TRITON_TREE, NO_OVERLAP + NO_GRAPHS),
 )
 # The rungs each server takes: b only where EAGLE's tree kernels run; no speculation only needs d's graphs off.
-RUNGS = {"base": ("a", "d"), "eagle3": ("a", "b", "c", "d"), "dflash": ("a", "c", "d")}
+# hybrid: TTS with the EAGLE-3 chain and --tts-hybrid on (suffix chains beside the drafter's; it turns the overlap
+# scheduler off itself, so its rung c is b).
+RUNGS = {"base": ("a", "d"), "eagle3": ("a", "b", "c", "d"), "hybrid": ("a", "b", "d"), "dflash": ("a", "c", "d")}
+DRAFTER_MODEL = {"eagle3": "eagle3", "hybrid": "eagle3", "dflash": "dflash"}  # server -> the drafter it loads
 # An attempt that fails at launch for --rehearse-fallback: SGLang's parser refuses the stride.
 BROKEN = Attempt("rehearsal", "made to fail at launch (--rehearse-fallback)", args=("--tts-update-stride", "0"))
 
@@ -251,8 +254,10 @@ def server_args(settings: Settings, models: dict[str, Path], drafter: str | None
     args = [*cpu_default_args()] if settings.cpu else [*GPU_ARGS, "--dtype", settings.dtype]
     args += ["--enable-metrics", "--skip-server-warmup"]
     if drafter is not None:
-        args += ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(models[drafter])]
-        args += [*EAGLE3_CHAIN] if drafter == "eagle3" else []
+        model = DRAFTER_MODEL[drafter]
+        args += ["--speculative-algorithm", "TTS", "--speculative-draft-model-path", str(models[model])]
+        args += [*EAGLE3_CHAIN] if model == "eagle3" else []
+        args += ["--tts-hybrid", "on"] if drafter == "hybrid" else []
         args += ["--tts-update-stride", str(settings.stride), "--tts-lr", "1e-2"]
     return args + list(attempt.args)
 
@@ -379,6 +384,10 @@ def judge(result: AttemptResult, settings: Settings) -> None:
     checked = sum(m.get("tts_fallback_checked", 0) for m in result.greedy)
     checks["fallback_checked"] = checked > 0
     checks["fallback_no_mismatch"] = all(m.get("tts_fallback_mismatches", 1) == 0 for m in metas)
+    if result.server == "hybrid":  # both proposers verified: suffix chains (no drafter forward) and the drafter's
+        suffix = sum(m.get("tts_suffix_rounds") or 0 for m in result.greedy)
+        drafted = sum(m.get("tts_drafter_rounds") or 0 for m in result.greedy)
+        checks["both_proposers"] = suffix > 0 and drafted > 0
     if result.graphs_expected:  # SGLang may turn graphs off by itself: its server_info says so
         checks["cuda_graphs_captured"] = bool(result.graph_lines) and not result.server_info.get("disable_cuda_graph")
     result.timing = timing(result)
@@ -531,6 +540,11 @@ def markdown(report: Report, attempts: list[AttemptResult]) -> str:
                 f"- {a.server}/{a.attempt} `{g['prompt'][:24]}`: accept {g.get('spec_accept_length')}, "
                 f"updates {g.get('tts_num_updates')}, fallback {g.get('tts_fallback_checked')}/"
                 f"{g.get('tts_fallback_mismatches')}, divergence {g.get('first_divergence')}"
+                + (
+                    f", suffix/drafter rounds {g.get('tts_suffix_rounds')}/{g.get('tts_drafter_rounds')}"
+                    if a.server == "hybrid"
+                    else ""
+                )
             )
     lines += ["", "Log notes (TTS, gpu_serve's routes, overlap scheduler, CUDA graphs):", ""]
     for a in attempts:
@@ -569,7 +583,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--stride", type=int, default=3, help="TTS update stride (> 1 leaves rounds for the fallback check)"
     )
     ap.add_argument("--start-timeout-s", type=float, default=240.0)
-    ap.add_argument("--drafters", nargs="+", default=["eagle3", "dflash"], choices=["eagle3", "dflash"])
+    ap.add_argument(
+        "--drafters", nargs="+", default=["eagle3", "hybrid", "dflash"], choices=["eagle3", "hybrid", "dflash"]
+    )
     ap.add_argument("--rehearse-fallback", action="store_true", help="make the first TTS server's first attempt fail")
     args = ap.parse_args(argv)
     started = time.monotonic()

@@ -243,6 +243,22 @@ def test_judge_fails_an_attempt_on_any_tts_check() -> None:
     assert result.checks["cuda_graphs_captured"] is False  # no capture line in the log
 
 
+def test_the_hybrid_must_verify_both_proposers() -> None:
+    gpu = check.Settings(cpu=False, out=Path("."), work=Path("."), deadline=0.0)
+    meta = {"tts_failures": 0, "tts_num_updates": 3, "tts_fallback_checked": 5, "tts_fallback_mismatches": 0}
+    both = check.AttemptResult("hybrid", "a", "as configured", served=True)
+    both.greedy = [{**meta, "tts_suffix_rounds": 4, "tts_drafter_rounds": 7}]
+    check.judge(both, gpu)
+    assert both.ok and both.checks["both_proposers"]
+    drafter_only = check.AttemptResult("hybrid", "a", "as configured", served=True)
+    drafter_only.greedy = [{**meta, "tts_suffix_rounds": 0, "tts_drafter_rounds": 11}]
+    check.judge(drafter_only, gpu)
+    assert not drafter_only.ok and "both_proposers" in drafter_only.reason
+    plain = check.AttemptResult("eagle3", "a", "as configured", served=True, greedy=[meta])
+    check.judge(plain, gpu)
+    assert plain.ok and "both_proposers" not in plain.checks
+
+
 def test_the_gpu_path_serves_every_server_at_once_and_compares_with_no_speculation(tmp_path, monkeypatch) -> None:
     """check.py's GPU orchestration (a thread per server, verdicts, results) with the serving stubbed out."""
     started: dict[str, float] = {}
@@ -291,6 +307,11 @@ def test_server_flags_per_server_and_rung(tmp_path) -> None:
     assert dflash[dflash.index("--speculative-algorithm") + 1] == "TTS" and "--speculative-num-steps" not in dflash
     assert dflash[-2:] == ["--disable-overlap-schedule", "--disable-cuda-graph"]
     assert [a.name for a in check.LADDER if a.name in check.RUNGS["dflash"]] == ["a", "c", "d"]
+    hybrid = check.server_args(gpu, models, "hybrid", check.LADDER[0])  # the EAGLE-3 chain, suffix chains beside
+    assert hybrid[hybrid.index("--speculative-draft-model-path") + 1] == str(models["eagle3"])
+    assert hybrid[hybrid.index("--tts-hybrid") + 1] == "on" and "--speculative-num-steps" in hybrid
+    assert "--tts-hybrid" not in eagle3
+    assert [a.name for a in check.LADDER if a.name in check.RUNGS["hybrid"]] == ["a", "b", "d"]
     assert dict(check.LADDER[1].env) == {check.TREE_ENV: "triton"}
     cpu = check.Settings(cpu=True, out=tmp_path, work=tmp_path, deadline=0.0)
     on_cpu = check.server_args(cpu, models, "dflash", check.LADDER[0])
