@@ -444,7 +444,9 @@ def serve_ladder(settings: Settings, models: dict[str, Path], server: str) -> li
         # same way on every rung (the sampling ops are the same).
         if last.ok or (last.served and all(v or k == "sampled_answered" for k, v in last.checks.items())):
             break
-        missing = [line for line in last.error_lines if "No module named" in line]
+        # A package the server needed and lacked; SGLang's "Ignore import error when loading <model>" lines name
+        # packages of models it skips (deep_gemm, cutlass) on every start, failed or not.
+        missing = [line for line in last.error_lines if "No module named" in line and "Ignore import error" not in line]
         if missing and not last.served:  # a package the wheelhouse lacks: no rung brings it
             last.reason += f" | ladder stopped, add the package to wheels.txt: {missing[-1]}"
             break

@@ -243,6 +243,26 @@ def test_judge_fails_an_attempt_on_any_tts_check() -> None:
     assert result.checks["cuda_graphs_captured"] is False  # no capture line in the log
 
 
+def test_the_ladder_stops_for_a_missing_package_but_not_for_a_model_sglang_skips(tmp_path, monkeypatch) -> None:
+    """Found on the H200: a server still capturing CUDA graphs at its start timeout left SGLang's routine
+    "Ignore import error when loading sglang.srt.models.inkling: No module named 'cutlass'" as its last error
+    line, and the ladder stopped as if the wheelhouse lacked a package."""
+    skipped = "[t] Ignore import error when loading sglang.srt.models.inkling: No module named 'cutlass'"
+    lacking = "ModuleNotFoundError: No module named 'orjson'"
+    for line, rungs in ((skipped, ["a", "b", "d"]), (lacking, ["a"])):
+        tried: list[str] = []
+
+        def attempt(settings, models, server, rung, line=line, tried=tried):
+            tried.append(rung.name)
+            return check.AttemptResult(server, rung.name, rung.what, reason="ServerStartError", error_lines=[line])
+
+        monkeypatch.setattr(check, "run_attempt", attempt)
+        settings = check.Settings(cpu=False, out=tmp_path, work=tmp_path, deadline=time.monotonic() + 3600)
+        results = check.serve_ladder(settings, {}, "hybrid")
+        assert tried == rungs, line
+        assert ("add the package to wheels.txt" in results[-1].reason) == (line == lacking)
+
+
 def test_the_hybrid_must_verify_both_proposers() -> None:
     gpu = check.Settings(cpu=False, out=Path("."), work=Path("."), deadline=0.0)
     meta = {"tts_failures": 0, "tts_num_updates": 3, "tts_fallback_checked": 5, "tts_fallback_mismatches": 0}
