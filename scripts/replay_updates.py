@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--chain", type=int, default=3)
     ap.add_argument("--schedules", nargs="+", default=DEFAULT_SCHEDULES)
     ap.add_argument("--lr", type=float, default=TTSConfig.lr)
+    ap.add_argument(
+        "--trainable", nargs="+", default=None, metavar="PREFIX", help="parameter-name prefixes to train (default all)"
+    )
     ap.add_argument("--round-ms", type=float, default=60.0, help="a round's wall time for the modelled tokens/s")
     ap.add_argument("--bucket", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -258,7 +261,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
     sets = "_".join(Path(d).stem for d in args.datasets)
     tag = f"{model_path.name}-{sets}-{args.num_prompts}-{args.seed}-{args.answer_tokens}"
     texts = cached_greedy_answers(model, prompts, args.answer_tokens, cache / f"answers-{tag}.pt")
-    config = TTSConfig(update_stride=1, sync=True, lr=args.lr, log_interval=0, record_accept_lengths=False)
+    trainable = tuple(args.trainable) if args.trainable else None  # --tts-trainable
+    config = TTSConfig(
+        update_stride=1, sync=True, lr=args.lr, log_interval=0, record_accept_lengths=False, trainable=trainable
+    )
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -135,3 +135,14 @@ def test_writes_the_report_and_a_rerun_skips_what_is_done(script, tiny, tmp_path
     finally:
         torch.set_num_threads(threads)
     assert [(r.prompt, r.schedule, r.update_s) for r in again] == [(r.prompt, r.schedule, r.update_s) for r in rows]
+
+
+def test_a_trainable_subset_moves_only_its_parameters(script, setup):
+    """--trainable fc (as --tts-trainable): the replayed updates change fc and nothing else."""
+    trace, base, lm_head = setup
+    replay = script.Replay(trace, base, lm_head, "latest:1", _config(script, lr=1e-2, trainable=("fc",)), chain=3)
+    before = {n: t.clone() for n, t in replay.drafter.named_parameters()}
+    replay.run(48)
+    assert replay.distiller.stats.num_updates > 0
+    moved = {n for n, t in replay.drafter.named_parameters() if not torch.equal(t, before[n])}
+    assert moved == {"fc.weight"}
