@@ -215,11 +215,12 @@ class Distiller:
     ) -> None:
         self.config = config.validate()
         self.executor = executor if executor is not None else SyncExecutor()
-        self.publisher = publisher
         self.fault_injector = fault_injector
         self.stats = DistillerStats()
 
         self.train_names = select_trainable(drafter.trainable_named_parameters(), config.trainable)
+        # What a publish writes: the serving tensors of the trained parameters (a fused one whole), not the rest.
+        self.publisher = publisher.restricted_to(self.train_names) if publisher is not None else None
         # The module to draft with when publisher is None; None when an engine owns the inference copy.
         self.serving_drafter: nn.Module | None = drafter if publisher is None else None
         # Private: only the update (in the executor) and reset() touch it.
@@ -427,7 +428,9 @@ class Distiller:
         """Write values of the trained parameters (in train_names order) into the serving copy."""
         with torch.inference_mode(False), torch.no_grad():
             if self.publisher is not None:
-                named = dict(self.trained_drafter.trainable_named_parameters())
+                # Every parameter by name, the untrained ones too (they no longer require grad, so
+                # trainable_named_parameters() leaves them out): a fused binding needs all its parts.
+                named = dict(self.trained_drafter.named_parameters())
                 named.update(zip(self.train_names, tensors))
                 self.publisher.publish(named)
             else:

@@ -133,6 +133,12 @@ class WeightPublisher:
         for binding in self.bindings:
             binding.write(named_params)
 
+    def restricted_to(self, names: Iterable[str]) -> WeightPublisher:
+        """The bindings that read at least one of `names` (what an update that trains only those changes).
+        A fused destination keeps all its sources: its untrained parts are rewritten with their values."""
+        wanted = set(names)
+        return WeightPublisher([b for b in self.bindings if wanted.intersection(b.sources)])
+
     def read(self, out: Mapping[str, torch.Tensor]) -> None:
         """The inverse of publish: the bound inference tensors' current values into `out` (by trained
         name, every bound name present), e.g. a retrained drafter an engine loaded itself."""

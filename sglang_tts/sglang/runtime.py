@@ -537,8 +537,9 @@ class TTSRuntime:
         return contexts
 
     def serving_digest(self, rid: str | None = None) -> str:
-        """sha256 over the serving drafter's bound weights (what the next draft reads); with
-        per-request adapters, over request `rid`'s published adapter."""
+        """sha256 over the serving drafter's weights that TTS publishes (the trained ones, `--tts-trainable`:
+        what an update can change in the next draft); with per-request adapters, over request `rid`'s
+        published adapter."""
         h = hashlib.sha256()
         if self.serving_adapters is not None:
             slot = self.slots.slot_of.get(rid, -1) if self.slots is not None else -1

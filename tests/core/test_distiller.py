@@ -367,6 +367,27 @@ def test_trainable_prefixes_select_what_moves(generator):
         Distiller(TinyDrafter(), _config(trainable=("nope.",)))
 
 
+def test_a_trainable_subset_is_published_into_the_serving_copy(generator):
+    """--tts-trainable with an engine's copy (a publisher over every trainable weight, as SGLang's binding
+    builds it): the trained subset reaches the serving tensors, nothing else is written, no publish fails.
+    (Publishing read the untrained weights through trainable_named_parameters(), which stops listing them
+    once the Distiller turns their gradients off: every publish failed, and served drafts never changed.)"""
+    drafter = TinyDrafter()
+    serving = {n: p.detach().clone() for n, p in drafter.trainable_named_parameters()}
+    publisher = WeightPublisher.from_name_map(serving, dict(drafter.trainable_named_parameters()))
+    before = {n: t.clone() for n, t in serving.items()}
+    distiller = Distiller(drafter, _config(lr=1e-2, trainable=("mlp.",), guard=False), publisher=publisher)
+    for _ in range(3):
+        distiller.observe(TinyTeacher().canvas(generator))
+        distiller.barrier()
+    changed = {n for n in serving if not torch.equal(serving[n], before[n])}
+    assert changed and all(n.startswith("mlp.") for n in changed)
+    assert distiller.stats.num_failed_publishes == 0 and distiller.weight_version == 3
+    assert all(b.name.startswith("mlp.") for b in distiller.publisher.bindings)  # only what can change is written
+    for name, p in drafter.trainable_named_parameters():
+        assert torch.equal(serving[name], p.detach())
+
+
 def test_canvas_without_valid_positions_is_not_an_update(generator):
     drafter = TinyDrafter()
     base = _params(drafter)

@@ -110,3 +110,15 @@ def test_from_name_map_and_stacked_names(generator):
     assert torch.equal(identity["attn.o_proj.weight"], trained["attn.o_proj.weight"])
     with pytest.raises(PublishError, match="no serving tensor"):
         WeightPublisher.from_name_map(serving, trained, {"missing": "attn.o_proj.weight"})
+
+
+def test_restricted_to_keeps_the_bindings_that_read_a_trained_weight(generator):
+    trained = _trained_attention(generator)
+    serving = {"attn.qkv_proj.weight": torch.zeros(16, 8), "attn.o_proj.weight": torch.zeros(8, 8)}
+    publisher = WeightPublisher.from_name_map(serving, trained, stacked_name_map(serving, trained))
+    only_q = publisher.restricted_to(["attn.q_proj.weight"])
+    assert [b.name for b in only_q.bindings] == ["attn.qkv_proj.weight"]
+    only_q.publish(trained)  # the fused destination whole: its k and v parts rewritten with their values
+    assert torch.equal(serving["attn.qkv_proj.weight"][8:12], trained["attn.k_proj.weight"])
+    assert torch.equal(serving["attn.o_proj.weight"], torch.zeros(8, 8))  # not bound any more: untouched
+    assert publisher.restricted_to(["mlp.up_proj.weight"]).bindings == []
