@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     if previous.exists():
         result["prompts"] = json.loads(previous.read_text())["prompts"]
     done = {p["id"] for p in result["prompts"]}
-    prompts = [p for p in chat_prompts(sample_prompts(args.datasets, args.num_prompts, args.seed), model_path)]
+    prompts = list(chat_prompts(sample_prompts(args.datasets, args.num_prompts, args.seed), model_path))
     for p in tqdm(prompts, desc="prompts", unit="prompt"):
         if p.id in done:
             continue

@@ -13,6 +13,7 @@ from scripts_testing import load_script
 
 from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
 from sglang_tts.drafters.checkpoints import write_tiny_eagle3
+from sglang_tts.training.target import sequence_features
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,7 @@ def _fit(drafter, model, ids: torch.Tensor, steps: int = 3, iters: int = 40):
 
     drafter = copy.deepcopy(drafter)
     layer_ids = sorted(set(drafter.cfg.aux_layer_ids))
-    feats = load_script("drafter_by_position").sequence_features(model, ids, layer_ids)
+    feats = sequence_features(model, ids, layer_ids)
     x = feats["hidden"][:, [layer_ids.index(i) for i in drafter.cfg.aux_layer_ids]].flatten(1)
     to_draft = torch.full((drafter.cfg.vocab_size,), -100)  # target id -> draft id (-100: not drafted)
     to_draft[drafter.draft_to_target_ids()] = torch.arange(drafter.cfg.draft_vocab_size)
