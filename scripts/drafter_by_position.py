@@ -35,12 +35,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from sglang_tts.assets import resolve_model
 from sglang_tts.bench.report import pyplot
 from sglang_tts.bench.workload import chat_prompts, sample_prompts
 from sglang_tts.drafters.eagle3 import Eagle3Drafter
-from sglang_tts.drafters.loading import load_drafter
-from sglang_tts.drafters.shipped import shipped_drafter
 from sglang_tts.training.target import sequence_features
 
 
@@ -167,15 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--short-context must exceed --skip + 2")
     torch.set_num_threads(args.threads)
 
-    from sglang_tts.training.target import load_target
+    from sglang_tts.training.target import load_target_and_drafter
 
-    model_path = Path(resolve_model(args.model))
-    model, _, target = load_target(model_path)
-    drafter_path = args.drafter or shipped_drafter(args.model)
-    drafter = load_drafter(drafter_path, target_embedding=target.embedding.float(), target_config=target.config)
-    if not isinstance(drafter, Eagle3Drafter):
-        ap.error(f"{drafter_path} is not an EAGLE-3 drafter")
-    drafter.eval()
+    try:
+        loaded = load_target_and_drafter(args.model, args.drafter, kind=Eagle3Drafter)
+    except ValueError as e:
+        ap.error(str(e))
+    model, model_path, drafter, drafter_path = loaded.model, loaded.target_path, loaded.drafter, loaded.drafter_path
     out = Path(args.out)
     previous = out / "drafter_by_position.json"
     command = "scripts/drafter_by_position.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -172,6 +172,9 @@ class TTSConfig:
     hybrid: bool = False
     hybrid_min_match: int = 0
     hybrid_margin: float = 0.0
+    # Weigh measured round costs: when the whole batch on suffix chains (the drafter's steps skipped)
+    # yields more expected tokens per second than the rule's choice, every request takes its chain.
+    hybrid_cost: bool = False
     # What the drafter trains on: "all" verified rounds (the target teaches whoever proposed), or only
     # the "drafter"'s own rounds (the spans the suffix proposer drafts are left out).
     hybrid_train: Literal["all", "drafter"] = "all"

@@ -16,6 +16,15 @@ suffix proposer's expected accepted tokens on this request are at least the draf
 A new request starts from the averages over all requests (priors), so the first rounds of a
 request that copies its prompt already use the suffix proposer when it has been good elsewhere.
 
+Round cost (`HybridRule.cost`, measured by the engine adapter into `RoundCosts`): a round in which
+every request of the batch takes its suffix chain skips the drafter's steps and is cheaper. Per
+batch (`choose_batch`), after the rule above: if the whole batch on suffix chains (a request with
+no chain of `min_match` tokens verifies what chain it has, counted as 0 expected tokens) yields more
+expected tokens per second than the round as chosen, every request takes its suffix chain. Tokens
+per round are 1 + expected accepted (the bonus token); seconds per round are the medians of the
+latest rounds of each kind at this batch size and chain length. A request kept off the drafter this
+way gives the drafter a round after `explore` such rounds, so its expectation stays current.
+
 Three modes, per round (the RL controller's proposer action picks one per window; without a
 controller the mode is HYBRID):
 - HYBRID: the rule above;
@@ -29,8 +38,10 @@ Host ints only: the worker feeds committed tokens it already has on the host.
 
 from __future__ import annotations
 
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from statistics import median
 
 SUFFIX = "suffix"
 DRAFTER = "drafter"
@@ -55,10 +66,45 @@ class HybridRule:
     min_match: int = 0  # shortest suffix chain the rule takes (0: steps, a full chain)
     margin: float = 0.0  # suffix taken while its expected tokens >= the drafter's - margin
     decay: float = 0.5  # weight of the newest round in the moving averages
+    cost: bool = False  # weigh the round costs (RoundCosts): a whole-batch suffix round skips the drafter
+    explore: int = 16  # cost rule: a request kept off the drafter this many rounds gives it one
 
     def __post_init__(self) -> None:
         if self.min_match <= 0 or self.min_match > self.steps:
             self.min_match = self.steps
+
+
+class RoundCosts:
+    """Seconds per decode round, by kind (SUFFIX: the drafter's steps skipped; DRAFTER: they ran),
+    batch size and chain length: the `window` latest of each, medians (an update or a stall that
+    lands in one round moves nothing). Bounded: at most `keys` (batch size, steps) pairs, the least
+    recently used dropped."""
+
+    def __init__(self, window: int = 32, keys: int = 64, min_rounds: int = 4) -> None:
+        self.window, self.keys, self.min_rounds = window, keys, min_rounds
+        self._seconds: OrderedDict[tuple[int, int], dict[str, deque[float]]] = OrderedDict()
+
+    def record(self, kind: str, batch_size: int, steps: int, seconds: float) -> None:
+        key = (batch_size, steps)
+        rows = self._seconds.pop(key, None) or {p: deque(maxlen=self.window) for p in PROPOSERS}
+        self._seconds[key] = rows
+        rows[kind].append(seconds)
+        while len(self._seconds) > self.keys:
+            self._seconds.popitem(last=False)
+
+    def seconds(self, kind: str, batch_size: int, steps: int) -> float | None:
+        """The median round of `kind` at this shape; None before `min_rounds` of them."""
+        rows = self._seconds.get((batch_size, steps))
+        if rows is None or len(rows[kind]) < self.min_rounds:
+            return None
+        return median(rows[kind])
+
+    def ratio(self, batch_size: int, steps: int) -> float:
+        """Drafter round seconds / suffix round seconds at this shape (1.0 until both are measured)."""
+        suffix, drafter = self.seconds(SUFFIX, batch_size, steps), self.seconds(DRAFTER, batch_size, steps)
+        if suffix is None or drafter is None or suffix <= 0:
+            return 1.0
+        return drafter / suffix
 
 
 @dataclass
@@ -69,6 +115,8 @@ class _Request:
     committed_at: int = -1  # output length when the round was proposed; -1: no round pending
     rounds: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PROPOSERS})
     accepted: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PROPOSERS})
+    scored: bool = True  # a SUFFIX round teaches the suffix expectation (False: a chain it was not offered)
+    off_drafter: int = 0  # rounds the cost rule kept this request off the drafter in a row
 
 
 class HybridChooser:
@@ -121,7 +169,36 @@ class HybridChooser:
         else:
             take = mode == SUFFIX
         state.choice = SUFFIX if take else DRAFTER
+        state.scored = True
         return take
+
+    def choose_batch(
+        self,
+        rids: Sequence[str],
+        chains: Sequence[Sequence[int]],
+        committed: Sequence[Sequence[int]],
+        mode: str = HYBRID,
+        min_match: int | None = None,
+        cost_ratio: float = 1.0,
+    ) -> list[bool]:
+        """`choose` for each request of a batch, then the cost rule (module docstring) when the rule
+        has it: `cost_ratio` is a drafter round's seconds over a suffix round's at this shape."""
+        take = [self.choose(rid, chain, done, mode, min_match) for rid, chain, done in zip(rids, chains, committed)]
+        if mode != HYBRID or not self.rule.cost or cost_ratio <= 1.0 or not rids or all(take):
+            return take
+        states = [self.requests[rid] for rid in rids]
+        as_chosen = sum(1 + s.expected[SUFFIX if t else DRAFTER] for s, t in zip(states, take))
+        all_suffix = sum(1 + (s.expected[SUFFIX] if s.proposal else 0.0) for s in states)
+        stale = any(s.off_drafter >= self.rule.explore for s, t in zip(states, take) if not t)
+        if stale or all_suffix * cost_ratio <= as_chosen:
+            for state, t in zip(states, take):
+                state.off_drafter = 0 if not t else state.off_drafter
+            return take
+        for state, t in zip(states, take):
+            if not t:
+                state.choice, state.off_drafter = SUFFIX, state.off_drafter + 1
+                state.scored = bool(state.proposal)  # a shorter chain than the rule's: counted, not learned
+        return [True] * len(rids)
 
     def drafter_only(self, rid: str, committed: Sequence[int]) -> None:
         """This round of `rid` is the drafter's without a choice (no suffix lookup was possible)."""
@@ -143,7 +220,8 @@ class HybridChooser:
         proposer = state.choice
         state.rounds[proposer] += 1
         state.accepted[proposer] += num_accepted
-        self._learn(state, proposer, num_accepted)
+        if proposer == DRAFTER or state.scored:
+            self._learn(state, proposer, num_accepted)
         if proposer == SUFFIX:
             state.proposal = ()  # learned from the exact count: not again from the commits
         return proposer

@@ -163,16 +163,19 @@ class TTSEagleWorker(EAGLEWorkerV2):
         # The longest chain a round may draft: the controller's longest, else the launch's.
         control = self.tts_controller
         steps = max(control.candidate_steps) if control is not None else self.speculative_num_steps
-        rule = HybridRule(steps, min_match=config.hybrid_min_match, margin=config.hybrid_margin)
+        rule = HybridRule(
+            steps, min_match=config.hybrid_min_match, margin=config.hybrid_margin, cost=config.hybrid_cost
+        )
         hybrid = HybridDrafting(steps, rule, self.device)
         hybrid.install(self.draft_worker)
         self.tts.hybrid = hybrid
         logger.info(
             "sglang-tts: hybrid drafting on (suffix chains of %d tokens from SGLang's NGRAM corpus; min match %d, "
-            "margin %g, training on %s rounds)",
+            "margin %g, round costs %s, training on %s rounds)",
             steps,
             rule.min_match,
             rule.margin,
+            "weighed" if rule.cost else "ignored",
             config.hybrid_train,
         )
         return hybrid

@@ -216,6 +216,14 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "hybrid_margin",
         {"type": float, "help": "Suffix taken while its expected tokens >= the drafter's minus this."},
     ),
+    "--tts-hybrid-cost": (
+        "hybrid_cost",
+        {
+            "type": _on_off,
+            "metavar": "on|off",
+            "help": "Weigh measured round costs: an all-suffix round skips the drafter's steps.",
+        },
+    ),
     "--tts-hybrid-train": (
         "hybrid_train",
         {"choices": ["all", "drafter"], "help": "Train on every round, or only on the drafter's rounds."},

@@ -16,6 +16,11 @@ the proposer looks up chains of the longest length (`steps`, the rule's) and eac
 first `round steps` tokens; the rule's shortest chain is capped at the round's length. The
 controller's proposer action sets `mode` (core/hybrid.py MODES); otherwise it stays HYBRID.
 
+Round costs (`--tts-hybrid-cost`): the time from one decode round's plan to the next is that round's
+cost, recorded by kind (the drafter's steps skipped or run), batch size and chain length
+(core/hybrid.py RoundCosts); an interval with a prefill in it is not a round's. On CPU the inline
+update lands in some intervals; the medians leave them out.
+
 The committed tokens are read from `req.output_ids` on the host, which requires the scheduler
 without overlap (SGLang's own NGRAM reads them the same way); the worker refuses otherwise.
 """
@@ -24,13 +29,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from sglang_tts.core.hybrid import DRAFTER, HYBRID, MODES, SUFFIX, HybridChooser, HybridRule
+from sglang_tts.core.hybrid import DRAFTER, HYBRID, MODES, SUFFIX, HybridChooser, HybridRule, RoundCosts
 from sglang_tts.sglang.suffix import SuffixProposer
 
 logger = logging.getLogger(__name__)
@@ -87,6 +93,10 @@ class HybridDrafting:
         self.skipped_drafts = 0  # rounds whose drafter steps did not run (every request took its suffix)
         self.mode = HYBRID  # MODES; the controller's proposer action sets it
         self.last_offer: RoundOffer | None = None  # the latest decode round's
+        self.costs = RoundCosts()
+        self._open_round: tuple[int, int, float] | None = None  # (batch size, steps, start) of the round in flight
+        self._round_kind = DRAFTER  # SUFFIX once the round in flight skipped the drafter's steps
+        self.last_costs: dict[str, float | None] = {}  # median seconds per round kind at the latest round's shape
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -106,12 +116,18 @@ class HybridDrafting:
         """A prefill batch: its prompts enter the trie (a prompt prefilled in chunks: once)."""
         new = [req for req in reqs if req.rid not in self._prompted]
         self._prompted.update(req.rid for req in new)
+        self._open_round = None  # the round before this prefill did not end at the next plan
         self.proposer.add_prompts([req.origin_input_ids_unpadded for req in new])
 
     def plan_round(self, reqs, steps: int) -> RoundPlan:
         """Before the draft of a decode round of `steps` drafted tokens: who verifies the suffix chain."""
         rids = [req.rid for req in reqs]
         self.last_offer = None
+        now = time.perf_counter()
+        if self._open_round is not None:
+            size, round_steps, start = self._open_round
+            self.costs.record(self._round_kind, size, round_steps, now - start)
+        self._open_round, self._round_kind = (len(reqs), steps, now), DRAFTER
         if not 1 <= steps <= self.steps:  # longer than the proposer's chains (never with a checked launch)
             for rid, req in zip(rids, reqs):
                 self.chooser.drafter_only(rid, req.output_ids)
@@ -121,10 +137,9 @@ class HybridDrafting:
         self.proposer.observe(tails)  # the last round's commits: the newest n-grams of the batch
         chains = [chain[:steps] for chain in self.proposer.propose(rids, tails, lengths)]
         need = min(self.chooser.rule.min_match, steps)
-        use = [
-            self.chooser.choose(rid, chain, req.output_ids, self.mode, need)
-            for rid, chain, req in zip(rids, chains, reqs)
-        ]
+        self.last_costs = {kind: self.costs.seconds(kind, len(reqs), steps) for kind in (SUFFIX, DRAFTER)}
+        ratio = self.costs.ratio(len(reqs), steps) if self.chooser.rule.cost else 1.0
+        use = self.chooser.choose_batch(rids, chains, [req.output_ids for req in reqs], self.mode, need, ratio)
         if self.split:
             use = [zlib.crc32(rid.encode()) % 2 == 0 for rid in rids]
             for rid, u in zip(rids, use):
@@ -178,6 +193,7 @@ class HybridDrafting:
             parents = draft_worker._topk1_parents_prealloc
             if plan.all_suffix and bs <= parents.shape[0]:
                 self.skipped_drafts += 1
+                self._round_kind = SUFFIX
                 return parents[:bs], draft_worker._topk1_score_indices_prealloc[:bs], plan.tokens, None
             parent_list, top_scores_index, draft_tokens, draft_probs = run(forward_batch, *args, **kwargs)
             if draft_tokens.shape != plan.tokens.shape:  # padded graph batch or another layout: as drafted

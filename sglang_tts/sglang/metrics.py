@@ -319,6 +319,13 @@ class SchedulerMetrics:
             "Drafted tokens accepted, by the proposer that drafted them (--tts-hybrid)",
             ["proposer"],
         )
+        self.hybrid_round_seconds = Gauge(
+            "sglang_tts:hybrid_round_seconds",
+            "Median seconds of a decode round at the latest round's shape, by kind: 'suffix' (the drafter's "
+            "steps skipped) or 'drafter' (--tts-hybrid)",
+            ["kind"],
+            multiprocess_mode="mostrecent",
+        )
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
@@ -330,6 +337,11 @@ class SchedulerMetrics:
             if n:
                 self.proposer_rounds.labels(proposer=proposer).inc(n)
                 self.proposer_accepted.labels(proposer=proposer).inc(accepted.get(proposer, 0))
+
+    def observe_round_costs(self, seconds: dict[str, float | None]) -> None:
+        for kind, value in seconds.items():
+            if value is not None:
+                self.hybrid_round_seconds.labels(kind=kind).set(value)
 
     def observe_publishing(self, resets: int, failed_publishes: int) -> None:
         if resets:

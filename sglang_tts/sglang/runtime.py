@@ -490,6 +490,7 @@ class TTSRuntime:
             self.governor.observe_tokens(1.0 + accepted["drafter"] / rounds["drafter"])
         if self.metrics is not None:
             self.metrics.observe_proposers(rounds, accepted)
+            self.metrics.observe_round_costs(self.hybrid.last_costs)
 
     def _digests(self, reqs) -> dict[str, str]:
         """serving_digest() for the requests that asked for it (a debug option: it reads weights)."""

@@ -68,6 +68,36 @@ def load_target(path: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase, T
     return model, tokenizer, target_weights(model, path)
 
 
+@dataclass
+class OfflineModels:
+    """A target and a drafter for it, as the offline scripts use them (fp32, eval mode)."""
+
+    target_path: Path
+    model: PreTrainedModel  # the target as a transformers causal LM
+    target: TargetWeights
+    drafter: Any  # Eagle3Drafter or DFlashDrafter (drafters/loading.py)
+    drafter_path: Path
+
+
+def load_target_and_drafter(model: str, drafter: str | None = None, kind: type | None = None) -> OfflineModels:
+    """The target (a model name the cache knows, or a folder) as `load_target` gives it, and a drafter
+    for it: the folder `drafter`, by default the one shipped for the model. ValueError when none ships,
+    or when the drafter is not a `kind` (e.g. Eagle3Drafter)."""
+    from sglang_tts.assets import resolve_model
+    from sglang_tts.drafters.loading import load_drafter
+    from sglang_tts.drafters.shipped import shipped_drafter
+
+    target_path = Path(resolve_model(model))
+    drafter_path = Path(drafter) if drafter else shipped_drafter(target_path.name)
+    if drafter_path is None:
+        raise ValueError(f"no drafter ships for {target_path.name}: give one with --drafter")
+    lm, _, weights = load_target(target_path)
+    loaded = load_drafter(drafter_path, target_embedding=weights.embedding.float(), target_config=weights.config)
+    if kind is not None and not isinstance(loaded, kind):
+        raise ValueError(f"{drafter_path} is not a {kind.__name__}")
+    return OfflineModels(target_path, lm, weights, loaded.eval(), drafter_path)
+
+
 def target_weights(model: PreTrainedModel, path: Path) -> TargetWeights:
     hidden = int(model.config.hidden_size)
     norm = getattr(getattr(model, "model", None), "norm", None)

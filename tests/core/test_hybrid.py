@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule, common_prefix
+from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule, RoundCosts, common_prefix
 
 
 def test_common_prefix_counts_what_verify_would_accept():
@@ -112,3 +112,54 @@ def test_the_suffix_mode_takes_any_chain_and_a_round_may_be_shorter():
     assert rule_min.expected("new") == 5.0  # a request not seen yet: the prior
     with pytest.raises(ValueError, match="hybrid mode"):
         rule_min.choose("r", [7], [1], mode="ngram")
+
+
+def test_round_costs_are_medians_per_shape_and_bounded():
+    costs = RoundCosts(window=4, keys=2, min_rounds=2)
+    assert costs.ratio(1, 3) == 1.0  # nothing measured: the plain rule
+    for seconds in (0.06, 0.06, 5.0):  # one round with an inline update in it
+        costs.record(SUFFIX, 1, 3, seconds)
+    assert costs.seconds(SUFFIX, 1, 3) == 0.06 and costs.ratio(1, 3) == 1.0  # no drafter round yet
+    for seconds in (0.08, 0.08, 0.09, 0.08, 0.08):
+        costs.record(DRAFTER, 1, 3, seconds)
+    assert costs.ratio(1, 3) == pytest.approx(0.08 / 0.06)
+    assert len(costs._seconds[(1, 3)][DRAFTER]) == 4  # the window
+    costs.record(DRAFTER, 2, 3, 0.1)
+    costs.record(DRAFTER, 4, 3, 0.1)
+    assert list(costs._seconds) == [(2, 3), (4, 3)]  # the least recently used shape went
+
+
+def test_the_cost_rule_takes_a_cheaper_suffix_round_and_gives_the_drafter_a_round_to_stay_current():
+    rule = HybridRule(steps=3, cost=True, explore=3)
+    chooser = HybridChooser(rule, prior_suffix=0.8, prior_drafter=0.9)
+    # Plain rule: 0.8 < 0.9, the drafter. Cost ratio 1.3: (1 + 0.8) * 1.3 = 2.34 > 1.9, the suffix.
+    assert chooser.choose_batch(["r"], [[7, 8, 9]], [[1]], cost_ratio=1.0) == [False]
+    chooser.accepted("r", 1)  # drafter 0.9 -> 0.95; the chain offered scores 1 of [7, 5]: 0.8 -> 0.9
+    assert chooser.choose_batch(["r"], [[7, 8, 9]], [[1, 7, 5]], cost_ratio=1.3) == [True]
+    chooser.accepted("r", 2)  # an offered chain: learned (0.9 -> 1.45)
+    assert chooser.requests["r"].expected[SUFFIX] == pytest.approx(1.45)
+    # No chain offered: the whole batch on (empty) suffix chains still pays when the drafter is weak.
+    weak = HybridChooser(rule, prior_suffix=0.0, prior_drafter=0.1)
+    picks = []
+    for n in range(5):
+        picks.append(weak.choose_batch(["w"], [[5]], [[1] * (n + 1)], cost_ratio=1.3)[0])
+        weak.accepted("w", 1 if picks[-1] else 0)  # the short chain's token was accepted: counted only
+    assert picks == [True, True, True, False, True]  # the 4th round: the drafter's, to stay current
+    assert weak.requests["w"].expected[SUFFIX] == 0.0  # never learned from chains it was not offered
+    assert weak.counts("w") == ({SUFFIX: 4, DRAFTER: 1}, {SUFFIX: 4, DRAFTER: 0})
+    # A strong drafter keeps the round, whatever it costs; so does a rule without costs.
+    strong = HybridChooser(rule, prior_suffix=0.0, prior_drafter=1.5)
+    assert strong.choose_batch(["s"], [[]], [[1]], cost_ratio=1.3) == [False]
+    plain = HybridChooser(HybridRule(steps=3), prior_suffix=0.0, prior_drafter=0.1)
+    assert plain.choose_batch(["p"], [[]], [[1]], cost_ratio=1.3) == [False]
+
+
+def test_the_cost_rule_weighs_the_whole_batch():
+    rule = HybridRule(steps=3, cost=True)
+    chooser = HybridChooser(rule, prior_suffix=2.0, prior_drafter=1.0)
+    # "a" has a full chain (expected 2), "b" none: all-suffix 3 + 1 = 4 tokens at 1/1.3 of the time
+    # (5.2) against a + drafter-b = 3 + 2 = 5: the whole batch goes to the suffix chains.
+    assert chooser.choose_batch(["a", "b"], [[1, 2, 3], []], [[0], [0]], cost_ratio=1.3) == [True, True]
+    # At ratio 1.2: 4.8 < 5, b keeps its drafter.
+    assert chooser.choose_batch(["a", "b"], [[1, 2, 3], []], [[0], [0]], cost_ratio=1.2) == [True, False]
+    assert chooser.choose_batch(["a"], [[1, 2, 3]], [[0]], mode="drafter", cost_ratio=2.0) == [False]

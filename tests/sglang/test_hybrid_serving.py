@@ -83,6 +83,26 @@ def test_hybrid_tts_keeps_training_and_stays_lossless(loopy_llama, loopy_eagle3)
             assert meta["tts_num_updates"] <= meta["tts_drafter_rounds"]
 
 
+def test_weighing_round_costs_stays_lossless_and_reports_the_measured_rounds(loopy_llama, loopy_eagle3):
+    args = _args(loopy_eagle3, "--tts-hybrid", "on", "--tts-hybrid-cost", "on", "--enable-metrics")
+    with sglang_server(str(loopy_llama), args) as server:
+        outs = [_run(server, p) for p in PROMPTS]
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+            prom = response.read().decode()
+    for prompt, out in zip(PROMPTS, outs):
+        assert out["output_ids"] == hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        meta = out["meta_info"]
+        assert meta["tts_suffix_rounds"] + meta["tts_drafter_rounds"] == meta["spec_verify_ct"]
+        assert meta["tts_failures"] == 0
+    seconds = {
+        kind: float(line.split()[-1])
+        for line in prom.splitlines()
+        for kind in ("suffix", "drafter")
+        if line.startswith(f'sglang_tts:hybrid_round_seconds{{kind="{kind}"}}')
+    }
+    assert set(seconds) == {"suffix", "drafter"} and all(0 < v < 30 for v in seconds.values())
+
+
 def test_sampling_in_a_batch_that_mixes_proposers_keeps_the_targets_distribution(loopy_llama, loopy_eagle3):
     """Every other request verifies the suffix proposer's chain from its first round (test hook), the
     others the drafter's, in one batch: t2, out of that first round, must follow the target's P(t1, t2),

@@ -285,6 +285,7 @@ class _Hybrid:
 
     def __init__(self, who: dict[str, str]) -> None:
         self.who, self.chooser = who, _Chooser()
+        self.last_costs = {"suffix": 0.058, "drafter": None}  # no drafter round measured at this shape yet
 
     def accepted(self, rid: str, num_accepted: int) -> str:
         return self.who[rid]
@@ -302,6 +303,8 @@ def test_with_the_hybrid_the_budget_reads_the_drafters_rounds(monkeypatch):
     # tau = 2 (the drafter's round alone, not the copies' 4): 0.4 x (2 - 1) / 2 x a quarter of the rounds
     assert governor.round_gain == pytest.approx(0.4 * 0.5 * 0.25)
     assert registry.get_sample_value("sglang_tts:proposer_rounds_total", {"proposer": "suffix"}) == 3
+    assert registry.get_sample_value("sglang_tts:hybrid_round_seconds", {"kind": "suffix"}) == 0.058
+    assert registry.get_sample_value("sglang_tts:hybrid_round_seconds", {"kind": "drafter"}) is None
 
 
 def _check_round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> None:

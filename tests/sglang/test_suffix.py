@@ -130,3 +130,31 @@ def test_a_shorter_round_takes_the_chains_head_and_the_modes_decide_who_drafts()
     assert hybrid.mode == "suffix"  # a cache flush keeps the controller's choice
     with pytest.raises(ValueError, match="hybrid mode"):
         hybrid.set_mode("ngram")
+
+
+def test_rounds_are_timed_by_kind_and_the_cost_rule_skips_a_weak_drafter():
+    hybrid = HybridDrafting(3, HybridRule(3, cost=True), "cpu")
+    hybrid.chooser.prior = {"suffix": 0.0, "drafter": 0.1}  # a drafter that rarely lands a token
+    worker = _DraftWorker()
+    hybrid.install(worker)
+    hybrid.on_prefill([_Req("b", [20, 21, 22, 23], [])])
+    reqs = [_Req("b", [20, 21, 22, 23], [30])]
+    assert hybrid.plan_round(reqs, steps=3).use_suffix == [False]  # costs not measured yet: the plain rule
+    worker.draft_forward(_Batch())
+    hybrid.round_done()
+    hybrid.plan_round(reqs, steps=3)  # the first round's time is recorded as a drafter round
+    assert len(hybrid.costs._seconds[(1, 3)]["drafter"]) == 1
+    for _ in range(4):  # measured: a round without the drafter's steps costs 3/4 of one with them
+        hybrid.costs.record("suffix", 1, 3, 0.06)
+        hybrid.costs.record("drafter", 1, 3, 0.08)
+    hybrid.round_done()
+    plan = hybrid.plan_round(reqs, steps=3)
+    assert plan.all_suffix and plan.tokens.tolist() == [[0, 0, 0]]  # no chain: the bonus token alone
+    worker.draft_forward(_Batch())
+    assert worker.calls == 1 and hybrid.skipped_drafts == 1
+    hybrid.round_done()
+    hybrid.plan_round(reqs, steps=3)
+    assert len(hybrid.costs._seconds[(1, 3)]["suffix"]) == 5  # that round: a suffix round
+    hybrid.on_prefill([_Req("c", [40, 41], [])])  # a prefill: the open round is not a round's
+    hybrid.plan_round(reqs, steps=3)
+    assert len(hybrid.costs._seconds[(1, 3)]["suffix"]) == 5

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
+import pytest
 import torch
 
-from sglang_tts.training.target import batch_indices, collate, compute_features
+from sglang_tts.drafters.checkpoints import write_tiny_eagle3
+from sglang_tts.drafters.dflash import DFlashDrafter
+from sglang_tts.drafters.eagle3 import Eagle3Drafter
+from sglang_tts.training.target import batch_indices, collate, compute_features, load_target_and_drafter
 
 
 def test_features_follow_the_output_of_layer_convention(tiny_target, sequences, features):
@@ -104,3 +109,16 @@ def test_features_of_an_extended_set_are_computed_only_for_its_new_sequences(
     computed.clear()
     compute_features(tiny_target.model, tiny_target.path, extended, [0, 1], cache, False)
     assert len(computed) == len(extended)
+
+
+def test_the_offline_scripts_load_a_target_and_its_drafter(tiny_llama, tmp_path):
+    config = json.loads((tiny_llama / "config.json").read_text())
+    drafter_path = write_tiny_eagle3(tmp_path / "tiny-eagle3", config)
+    loaded = load_target_and_drafter(str(tiny_llama), str(drafter_path))
+    assert loaded.target_path == tiny_llama and loaded.drafter_path == drafter_path
+    assert isinstance(loaded.drafter, Eagle3Drafter) and not loaded.drafter.training
+    assert not loaded.model.training and loaded.target.num_layers == config["num_hidden_layers"]
+    with pytest.raises(ValueError, match="is not a DFlashDrafter"):
+        load_target_and_drafter(str(tiny_llama), str(drafter_path), kind=DFlashDrafter)
+    with pytest.raises(ValueError, match="no drafter ships for"):
+        load_target_and_drafter(str(tiny_llama))  # a folder of our own: nothing ships for it
