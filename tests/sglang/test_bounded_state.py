@@ -105,8 +105,14 @@ def _one(base_url: str, i: int) -> tuple[str, bool]:
             return a.status == 200  # read on: the stream ends with the abort
 
     chunks = _stream(base_url, {**_body(i, 200, stream=True), "rid": rid}, on_first=abort)
-    finish = chunks[-1]["meta_info"]["finish_reason"]
-    return kind, finish is not None and finish["type"] == "abort" and chunks[-1]["meta_info"]["completion_tokens"] < 200
+    meta = chunks[-1]["meta_info"]
+    finish = meta["finish_reason"]
+    if finish is not None and finish["type"] == "length" and meta["completion_tokens"] == 200:
+        # The loopy pair drafts whole chains: under load the 200 tokens may be out before the abort
+        # lands, which is a correct answer too (the abort of a finished request is a no-op).
+        return "abort-late", all(key in meta for key in SCALAR_KEYS)
+    ok = finish is not None and finish["type"] == "abort" and meta["completion_tokens"] < 200
+    return (kind if ok else f"abort: finish {finish}, {meta['completion_tokens']} tokens"), ok
 
 
 def _scheduler(server) -> psutil.Process:
@@ -154,6 +160,8 @@ def test_every_request_of_the_mix_is_answered_as_it_should_be(traffic):
     assert len(traffic["results"]) == TOTAL
     wrong = [(i, kind) for i, (kind, ok) in enumerate(traffic["results"]) if not ok]
     assert not wrong, wrong[:20]
+    late = sum(kind == "abort-late" for kind, _ in traffic["results"])
+    assert late <= TOTAL // 10 // 10, late  # most aborts land mid-stream (1 in 10 requests is one)
 
 
 def test_tts_holds_no_entry_of_a_finished_request(traffic):
