@@ -164,13 +164,10 @@ class StrideGovernor:
         else:
             self._excess += max(0.0, seconds - base)
 
-    def update_done(self, run_s: float, blocked_s: float, trained: bool = True) -> None:
+    def update_done(self, run_s: float, blocked_s: float) -> None:
         """An update finished (kept, skipped or empty): fold the excess of the rounds it touched (its
         run time while no base is known). Inline or not, the same measure: inline, the excess of the
-        round that ran it is its whole run. `trained` False (an empty update: no position entered the
-        loss): its cost counts in the totals but not in the per-update cost the stride is chosen from;
-        on a fresh server the first updates of a long-context answer were empty, measured ~0.2 ms, and
-        the stride fell to 1 (24-26 updates in 257 rounds where a warm server made 3-8)."""
+        round that ran it is its whole run."""
         self.num_updates += 1
         if self._touched_unbased > 0.0 or (self._excess == 0.0 and math.isnan(self.base_round_s)):
             cost = max(run_s, blocked_s)  # no base for the rounds it touched: charge its whole run
@@ -181,8 +178,6 @@ class StrideGovernor:
         if not math.isfinite(cost):
             return
         self.total_cost_s += cost
-        if not trained:
-            return
         self.cost_s = cost if math.isnan(self.cost_s) else self.cost_s + self.alpha * (cost - self.cost_s)
         base = self.base_round_s
         if not math.isnan(base):

@@ -224,9 +224,7 @@ class TTSRuntime:
     def _update_done(self, result: UpdateResult) -> None:
         """The Distiller absorbed an update (serving thread): its cost and the guard's gain go to the budget."""
         timing = result.timing
-        outcome = result.value
-        trained = getattr(outcome, "status", "ok") != "empty"  # an empty update says nothing of an update's cost
-        self.governor.update_done(timing.run_s, timing.wait_blocked_s, trained)
+        self.governor.update_done(timing.run_s, timing.wait_blocked_s)
         stats = self.distiller.stats
         settled = stats.scope_updates >= self.config.guard_window
         self.governor.observe_gain(

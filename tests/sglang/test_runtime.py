@@ -3,7 +3,6 @@ Prometheus counters see every reset, skipped update and failed publish."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
 
 import pytest
@@ -12,8 +11,6 @@ from prometheus_client import CollectorRegistry
 from sglang_testing import core
 
 from sglang_tts.config import TTSConfig
-from sglang_tts.core.distiller import UpdateOutcome
-from sglang_tts.core.executor import UpdateResult, UpdateTiming
 from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import FAULT_ENV, TTSRuntime
 
@@ -236,21 +233,6 @@ def test_the_update_budget_lengthens_the_stride_until_updates_fit(monkeypatch):
     assert runtime.counters("a").update_stride == runtime.config.update_stride
     assert registry.get_sample_value("sglang_tts:update_stride") >= 7
     assert registry.get_sample_value("sglang_tts:update_cost_seconds") == pytest.approx(0.030, rel=0.05)
-
-
-def test_an_empty_update_reaches_the_governor_as_untrained(monkeypatch):
-    """The runtime tells the governor which updates trained nothing: their ~0 s must not become the
-    cost the stride is chosen from (core/budget.py update_done)."""
-    runtime, _ = _runtime(monkeypatch, update_budget=0.1, update_stride=1, stride_pinned=False, guard=False)
-
-    def done(status: str, run_s: float) -> None:
-        timing = UpdateTiming(0.0, started_at=0.0, finished_at=run_s, wait_blocked_s=run_s)
-        runtime._update_done(UpdateResult(value=UpdateOutcome(status), timing=timing))
-
-    done("empty", 0.0002)
-    assert runtime.governor.num_updates == 1 and math.isnan(runtime.governor.cost_s)
-    done("ok", 0.250)
-    assert runtime.governor.cost_s == pytest.approx(0.250)
 
 
 def test_the_budget_scale_reaches_the_governor_and_the_start_up_line(monkeypatch):
