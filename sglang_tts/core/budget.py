@@ -8,7 +8,8 @@ that cost online, from the rounds' own wall times, and picks the stride S:
     a round is *touched* if an update was still running when it started or was submitted in it;
     base(b)  = EMA of untouched rounds' wall time, per batch size b
     excess   = sum over touched rounds of (wall - base(b)), at least 0   (the updates' cost)
-    cost     = EMA of excess per update (the update's own run time until a base is known)
+    cost     = EMA of excess per update, at least the time the serving thread was blocked on it
+               (the update's own run time until a base is known)
     share(S) = cost / (cost + S * base)      ->   S_budget = smallest S with share(S) <= budget
 
 The budget is `--tts-update-budget F`, or by default ("auto") the drafter's measured gain: the
@@ -172,7 +173,10 @@ class StrideGovernor:
         if self._touched_unbased > 0.0 or (self._excess == 0.0 and math.isnan(self.base_round_s)):
             cost = max(run_s, blocked_s)  # no base for the rounds it touched: charge its whole run
         else:
-            cost = self._excess
+            # At least the time the serving thread was blocked on it: with a base taken from slow
+            # rounds (the first after a long prefill), touched rounds show no excess, the cost reads
+            # ~0 and the stride 1, where every round is touched and the base cannot recover.
+            cost = max(self._excess, blocked_s)
         self._excess = 0.0
         self._touched_unbased = 0.0
         if not math.isfinite(cost):

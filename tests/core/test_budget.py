@@ -179,3 +179,26 @@ def test_nothing_is_decided_before_anything_is_measured():
         StrideGovernor(stride=5, budget=1.5)
     with pytest.raises(ValueError):
         StrideGovernor(stride=5, min_stride=4, max_stride=2)
+
+
+def test_a_base_from_slow_first_rounds_does_not_hide_what_an_inline_update_costs():
+    """The first round after a long prefill is slow (412 ms) and sets the base; the rounds after it take
+    150 ms, and an inline update blocks its round for 100 ms more. Touched rounds (250 ms) then show no
+    excess over that base, so the cost read ~0 and the stride 1, where every round is touched and the
+    base recovers only slowly (a fresh long-context server: 23 updates in 50 rounds). An update costs
+    at least the time the serving thread was blocked on it."""
+    gov = StrideGovernor(stride=1, budget=0.04)
+    gov.round_done(0.412, batch_size=1, touched=False)
+    since, strides = 0, []
+    for _ in range(200):
+        since += 1
+        submits = since >= gov.stride
+        gov.round_done(0.150 + (0.100 if submits else 0.0), batch_size=1, touched=submits)
+        if submits:
+            since = 0
+            gov.update_done(run_s=0.100, blocked_s=0.100)
+            strides.append(gov.decide())
+    assert gov.cost_s == pytest.approx(0.100)
+    assert strides[0] >= 8  # not 1 or 2: the first update's cost is known at once
+    assert gov.budget_stride() == 16  # 100 x 0.96 / (0.04 x 150)
+    assert gov.num_updates <= 12  # 17 when the cost read ~0 at first
