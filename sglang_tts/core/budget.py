@@ -175,7 +175,7 @@ class StrideGovernor:
         else:
             # At least the time the serving thread was blocked on it: with a base taken from slow
             # rounds (the first after a long prefill), touched rounds show no excess, the cost reads
-            # ~0 and the stride 1, where every round is touched and the base cannot recover.
+            # ~0 and the stride 1, where every round is touched and the base recovers only slowly.
             cost = max(self._excess, blocked_s)
         self._excess = 0.0
         self._touched_unbased = 0.0
