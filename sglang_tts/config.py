@@ -120,6 +120,10 @@ class TTSConfig:
     # are conditioned on a rejected token, and training on them slowed adaptation down badly in our
     # replay of served canvases (docs/results.md). "full": every drafted position of a chain (paper's sum).
     canvas: Literal["accepted", "full"] = "accepted"
+    # The target's logits a canvas keeps. "draft": only at the drafter's own ids (EAGLE-3's reduced
+    # draft vocabulary: 8,192 of the Qwen testbed's 151,936), what the loss reads; "full": every id
+    # (the canvases kept for a stride's update, and their stacking, 18.5x larger on the testbed).
+    canvas_vocab: Literal["draft", "full"] = "draft"
     # Prompt-time adaptation (core/prompt.py): after a request's prefill, train the drafter on its
     # prompt (the drafter's inputs at the last `prompt_positions` prompt positions, next prompt
     # tokens as labels) before and while its first rounds decode. "on": then TTS as usual; "only":
@@ -207,6 +211,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-loss-backend must be auto|naive|chunked|triton, got {self.loss_backend!r}")
         if self.canvas not in ("accepted", "full"):
             raise TTSConfigError(f"--tts-canvas must be 'accepted' or 'full', got {self.canvas!r}")
+        if self.canvas_vocab not in ("draft", "full"):
+            raise TTSConfigError(f"--tts-canvas-vocab must be 'draft' or 'full', got {self.canvas_vocab!r}")
         if self.max_grad_norm is not None and self.max_grad_norm <= 0:
             raise TTSConfigError("--tts-max-grad-norm must be > 0 (or omitted)")
         if self.position_weights is not None:

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from sglang_tts.config import FULL_RANK
-from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.canvas import Canvas, TeacherVocab
 from sglang_tts.core.prompt import PromptBatch, PromptTerms
 from sglang_tts.kernels import lowrank_delta
 
@@ -374,6 +374,10 @@ class AdaptedDrafter(nn.Module):
 
     def teacher_probs(self, canvas: Canvas) -> tuple[torch.Tensor, torch.Tensor]:
         return self.base.teacher_probs(canvas)
+
+    def teacher_vocab(self, device: torch.device | str) -> TeacherVocab | None:
+        reduce = getattr(self.base, "teacher_vocab", None)
+        return None if reduce is None else reduce(device)
 
     def default_position_weights(self, length: int) -> torch.Tensor:
         return self.base.default_position_weights(length)

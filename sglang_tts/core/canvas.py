@@ -13,6 +13,12 @@ Indexing convention (EAGLE-3 and DFlash alike). At a round anchored at verified 
     target_logits[:, k]  the target's logits for the token *after* input_ids[:, k],
                          i.e. p(X_{t+k+1} | x_{1:t}, d_{1:k}) from the verify forward
 
+The teacher's vocabulary. A drafter that drafts in a reduced vocabulary (EAGLE-3's 8,192 of
+Qwen's 151,936 ids) reads the target's logits at its own ids only, and drops positions whose target
+top-1 lies outside them. Capture can do that reduction once (`TeacherVocab`): the canvas then holds
+`target_logits` [B, C, V'] at `teacher_ids` and `valid` already excludes those positions, so the
+canvases a stride's update keeps, stacks and trains on are V_target / V' times smaller.
+
 Drafter-specific context lives in `features`/`context_*` (documented per drafter in
 sglang_tts/drafters). Everything here is engine independent: plain tensors, no SGLang types.
 """
@@ -29,7 +35,7 @@ import torch
 class Canvas:
     input_ids: torch.Tensor  # [B, C] int64
     positions: torch.Tensor  # [B, C] int64
-    target_logits: torch.Tensor  # [B, C, V_target] float, teacher logits (temperature 1)
+    target_logits: torch.Tensor  # [B, C, V_target] float, teacher logits (temperature 1); [B, C, V'] at teacher_ids
     valid: torch.Tensor  # [B, C] bool: positions that enter the loss
     # Target hidden features the drafter conditions on.
     #  EAGLE-3: [B, F] aux hidden states (concat of 3 target layers) of the token before input_ids[:, 0]
@@ -47,6 +53,9 @@ class Canvas:
     # [B] int64 per-request adapter slot of each row (core/adapters.py; -1: none). None: no adapters.
     slots: torch.Tensor | None = None
     round_index: int = 0
+    # [V'] int64: the target ids target_logits' last dimension holds (TeacherVocab.ids; valid already
+    # excludes positions whose target top-1 lies outside them). None: the whole target vocabulary.
+    teacher_ids: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -80,6 +89,7 @@ class Canvas:
             num_accepted=mv(self.num_accepted),
             request_ids=list(self.request_ids),
             slots=mv(self.slots),
+            teacher_ids=mv(self.teacher_ids),
         )
 
     def prefix(self, length: int) -> Canvas:
@@ -129,6 +139,32 @@ class Canvas:
             raise ValueError("valid must be a [B, C] bool tensor")
         if self.features.shape[0] != b:
             raise ValueError("features must have the batch dimension first")
+        if self.teacher_ids is not None and self.target_logits.shape[-1] != self.teacher_ids.shape[0]:
+            raise ValueError(
+                f"target_logits hold {self.target_logits.shape[-1]} ids, teacher_ids {self.teacher_ids.shape[0]}"
+            )
+
+
+@dataclass(frozen=True)
+class TeacherVocab:
+    """The target ids a drafter's loss reads, for capture to keep only those (see the module docstring).
+
+    Both tensors are made once, on the device of the target's verify logits, and read by every
+    capture: no host read, no per-round allocation besides the gathered logits."""
+
+    ids: torch.Tensor  # [V'] int64 target ids, in the drafter's vocabulary order
+    covered: torch.Tensor  # [V_target] bool, True at `ids`
+
+    def gather(self, target_logits: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows `index` of the verify's logits at `ids`, and whether each row's target top-1 is one of them.
+
+        target_logits: [N, V_target] the verify's logits; index: [M] int64 rows of them.
+        Returns (logits [M, V'] float32, top1_covered [M] bool)."""
+        ids, covered = self.ids.to(target_logits.device), self.covered.to(target_logits.device)
+        # Column gather over the verify's N rows first (a few per request): no full-vocabulary row is copied.
+        logits = target_logits.index_select(1, ids).index_select(0, index).float()
+        top1 = target_logits.argmax(dim=-1).index_select(0, index)
+        return logits, covered[top1]
 
 
 def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
@@ -153,6 +189,8 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
     if not parts:
         return latest
     parts.append((latest, list(range(latest.batch_size))))
+    if any((c.teacher_ids is None) != (latest.teacher_ids is None) for c, _ in parts):
+        raise ValueError("stack_rounds: canvases of the whole target vocabulary and of a teacher vocabulary mixed")
     length = max(c.length for c, _ in parts)
     device = latest.input_ids.device
 
@@ -204,6 +242,7 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
             request_ids=[c.request_ids[i] for c, keep in parts for i in keep],
             slots=None if latest.slots is None else torch.cat([rows(c, k, c.slots) for c, k in parts]),
             round_index=latest.round_index,
+            teacher_ids=latest.teacher_ids,
         )
     stacked.validate()
     return stacked

@@ -41,6 +41,9 @@ class DifferentiableDrafter(Protocol):
         mask of positions the loss may use (EAGLE-3: target top-1 inside the draft vocabulary)."""
         ...
 
+    # Optional: `teacher_vocab(device) -> core.canvas.TeacherVocab | None`, the target ids the loss reads
+    # (a reduced draft vocabulary), so that capture keeps only those logits (EAGLE-3 has it).
+
     def default_position_weights(self, length: int) -> torch.Tensor:
         """w_k for k = 1..length, from the drafter's own training recipe."""
         ...

@@ -51,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.canvas import Canvas, TeacherVocab
 from sglang_tts.core.prompt import PromptBatch, PromptTerms, RowsHook
 from sglang_tts.drafters.common import (
     CheckpointTensorError,
@@ -610,14 +610,36 @@ class Eagle3Drafter(nn.Module):
         """Logits [B, C, draft_vocab_size]; draft id i means target id `draft_to_target_ids()[i]`."""
         return self.canvas_hidden(canvas) @ self.lm_head_weight().T
 
+    def teacher_vocab(self, device: torch.device | str) -> TeacherVocab | None:
+        """The draft vocabulary as target ids, for capture to keep only those logits (core/canvas.py);
+        None when it is the whole target vocabulary (nothing to reduce). Made once, on `device`."""
+        if self.cfg.draft_vocab_size == self.cfg.vocab_size:
+            return None
+        with torch.inference_mode(False):
+            vocab = TeacherVocab(ids=self.draft_to_target_ids().to(device), covered=self.t2d.to(device))
+        self._issued_teacher_ids = vocab.ids  # teacher_probs knows these without comparing (a device sync)
+        return vocab
+
     def teacher_probs(self, canvas: Canvas) -> tuple[torch.Tensor, torch.Tensor]:
         """Target distribution restricted to the draft vocabulary and renormalised, [B, C, V_draft],
         and the mask t2d[argmax target] (EAGLE-3 traineagle3/cnets.py: positions whose target top-1
         lies outside the draft vocabulary are dropped). softmax over the gathered logits equals
-        the full softmax gathered and renormalised."""
+        the full softmax gathered and renormalised. A canvas captured at `teacher_vocab()` holds
+        the gathered logits already, with those positions out of `valid`: its mask is all True."""
         from sglang_tts.kernels import gather_draft_probs  # fused Triton gather on CUDA, PyTorch elsewhere
 
         logits = canvas.target_logits
+        if canvas.teacher_ids is not None:
+            ids = canvas.teacher_ids
+            own = self.draft_to_target_ids().to(ids.device)
+            issued = ids is getattr(self, "_issued_teacher_ids", None)
+            if ids.shape[0] != own.shape[0] or not (issued or torch.equal(ids, own)):
+                raise ValueError("the canvas was captured at another vocabulary than this drafter's (teacher_ids)")
+            row_max = logits.amax(dim=-1, keepdim=True).float()
+            has_mass = torch.isfinite(row_max)  # a row of -inf only (masked vocabulary) gives zeros, not NaN
+            unnorm = torch.exp(logits.float() - torch.where(has_mass, row_max, torch.zeros_like(row_max)))
+            probs = unnorm / unnorm.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(unnorm.dtype).tiny)
+            return probs, torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
         if logits.shape[-1] != self.cfg.vocab_size:
             raise ValueError(f"target_logits vocab {logits.shape[-1]} != drafter target vocab {self.cfg.vocab_size}")
         batch, length, vocab = logits.shape

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from sglang_tts.core.canvas import Canvas, CanvasBuffers
+from sglang_tts.core.canvas import Canvas, CanvasBuffers, TeacherVocab
 
 
 def path_rows(
@@ -53,6 +53,7 @@ def build_canvas(
     round_index: int = 0,
     device: torch.device | str = "cpu",
     buffers: CanvasBuffers | None = None,
+    teacher: TeacherVocab | None = None,
 ) -> Canvas | None:
     """Pad the requests' chains into one Canvas on `device`. Exactly one of `anchor_features`
     (EAGLE-3: requests without one are left out) and `context_features` (DFlash, with
@@ -68,6 +69,8 @@ def build_canvas(
     seq_lens[r]:     position of request r's canvas position 0 (host ints)
     anchor_features: [F] per request, on the device (EAGLE-3)
     past_kv(r):      per drafter layer, (k, v) of shape [H_kv, L_r, D] for request r.
+    teacher:         keep the logits at the drafter's ids only (core/canvas.py, TeacherVocab);
+                     positions whose target top-1 lies outside them leave `valid`.
     """
     if (anchor_features is None) == (context_features is None):
         raise ValueError("build_canvas needs exactly one of anchor_features and context_features")
@@ -80,7 +83,7 @@ def build_canvas(
     device = torch.device(device)
     b = len(keep)
     c = max(len(rows[r]) for r in keep)
-    vocab = target_logits.shape[-1]
+    vocab = target_logits.shape[-1] if teacher is None else teacher.ids.shape[0]
     # Host side: small index and layout tensors (b x c ints); padding cells repeat a real row.
     flat, positions, valid = [], [], []
     for r in keep:
@@ -97,13 +100,19 @@ def build_canvas(
         index = torch.tensor(flat, dtype=torch.long).to(target_logits.device, non_blocking=True)
         out["input_ids"].view(-1).copy_(draft_tokens.index_select(0, index.to(draft_tokens.device)))
         logits_out = out["target_logits"].view(b * c, vocab)
-        if target_logits.dtype == torch.float32 and target_logits.device == device:
+        top1_covered = None
+        if teacher is not None:
+            gathered, top1_covered = teacher.gather(target_logits, index)
+            logits_out.copy_(gathered)
+        elif target_logits.dtype == torch.float32 and target_logits.device == device:
             torch.index_select(target_logits, 0, index, out=logits_out)
         else:
             logits_out.copy_(target_logits.index_select(0, index))
         out["positions"].view(-1).copy_(torch.tensor(positions, dtype=torch.long), non_blocking=True)
         out["valid"].view(-1).copy_(torch.tensor(valid, dtype=torch.bool), non_blocking=True)
         out["input_ids"].masked_fill_(~out["valid"], 0)
+        if top1_covered is not None:  # after the padding is cleared: such a position's token still feeds the chain
+            out["valid"].view(-1).logical_and_(top1_covered.to(device))
         context_positions = context_mask = None
         if anchor_features is not None:
             features = out["features"]
@@ -149,6 +158,7 @@ def build_canvas(
         num_accepted=accepted,
         request_ids=[request_ids[r] for r in keep],
         round_index=round_index,
+        teacher_ids=None if teacher is None else teacher.ids.to(device),
     )
     canvas.validate()
     return canvas
@@ -167,13 +177,15 @@ def build_kept_canvas(
     full_chain: bool = False,
     round_index: int = 0,
     device: torch.device | str = "cpu",
+    teacher: TeacherVocab | None = None,
 ) -> Canvas | None:
     """A round's canvas kept for the stride's update (--tts-update-window), gathered on the device
     with nothing read on the host: each request's path nodes (`accept_index[r, :accept_lens[r]]`,
     the accepted path plus the next position; every drafted node with `full_chain`), padded to the
     verify's draft length (padding invalid), positions from `seq_lens`, no K/V (the update reads
     them once: core/canvas.py, stack_rounds). Rows without an anchor feature, or with `skip` set
-    (host bools: suffix chains under --tts-hybrid-train drafter), are left out.
+    (host bools: suffix chains under --tts-hybrid-train drafter), are left out. With `teacher`, only
+    the drafter's ids of the logits are kept (as in build_canvas).
 
     accept_index: [bs, n] flat indices into the verify's [bs * n] rows (padding -1)
     accept_lens:  [bs] nodes on the path (bonus included)
@@ -199,7 +211,11 @@ def build_kept_canvas(
         flat = index.reshape(-1)
         input_ids = draft_tokens.index_select(0, flat.to(draft_tokens.device)).view(len(keep), n).long()
         input_ids = input_ids.masked_fill(~valid.to(input_ids.device), 0)
-        logits = target_logits.index_select(0, flat.to(target_logits.device)).float()
+        if teacher is None:
+            logits = target_logits.index_select(0, flat.to(target_logits.device)).float()
+        else:
+            logits, top1_covered = teacher.gather(target_logits, flat.to(target_logits.device))
+            valid = valid & top1_covered.view(len(keep), n).to(valid.device)
         positions = seq_lens.index_select(0, rows.to(seq_lens.device)).long()[:, None] + step.to(seq_lens.device)
         canvas = Canvas(
             input_ids=input_ids.to(device),
@@ -210,6 +226,7 @@ def build_kept_canvas(
             num_accepted=(lens - 1).to(device),
             request_ids=[request_ids[r] for r in keep],
             round_index=round_index,
+            teacher_ids=None if teacher is None else teacher.ids.to(device),
         )
     canvas.validate()
     return canvas

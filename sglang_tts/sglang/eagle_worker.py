@@ -325,6 +325,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             full_chain=self.topk == 1 and self.tts.config.canvas == "full",
             round_index=self.tts.distiller.stats.rounds,
             device=self.tts.distiller.device,
+            teacher=self.tts.teacher_vocab,
         )
 
     def _after_verify(
@@ -362,7 +363,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
                 if self.tts.config.hybrid_train == "drafter":
                     rows = [[] if s else r for r, s in zip(rows, suffix)]
-                canvas = build_canvas(rows=rows, buffers=self.tts.capture_buffers(), **common)
+                canvas = build_canvas(
+                    rows=rows, buffers=self.tts.capture_buffers(), teacher=self.tts.teacher_vocab, **common
+                )
             elif kept_seq_lens is not None:
                 canvas = self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix)
             if self.tts.check_fallback and self.topk == 1:

@@ -157,6 +157,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
     "--tts-trainable": ("trainable", {"type": _str_list, "help": "Comma-separated parameter name prefixes."}),
     "--tts-loss-backend": ("loss_backend", {"choices": ["auto", "naive", "chunked", "triton"], "help": "Loss kernel."}),
     "--tts-canvas": ("canvas", {"choices": ["accepted", "full"], "help": "Canvas positions the loss uses."}),
+    "--tts-canvas-vocab": (
+        "canvas_vocab",
+        {"choices": ["draft", "full"], "help": "Target logits a canvas keeps: the drafter's ids, or all."},
+    ),
     "--tts-prompt-adapt": (
         "prompt_adapt",
         {

@@ -22,7 +22,7 @@ import torch
 from sglang_tts.config import TTSConfig
 from sglang_tts.core.adapters import SlotTable
 from sglang_tts.core.budget import StrideGovernor
-from sglang_tts.core.canvas import Canvas
+from sglang_tts.core.canvas import Canvas, TeacherVocab
 from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.executor import UpdateResult, make_executor
 from sglang_tts.core.guard import SCOPE_UNIT
@@ -93,6 +93,9 @@ class TTSRuntime:
         self.executor = make_executor(self.device, config.sync, config.cpu_thread)
         self.distiller = Distiller(drafter, config, self.executor, publisher, fault_injector_from_env())
         self.drafter = drafter
+        # The drafter's ids capture keeps of the target's logits (None: all of them; core/canvas.py).
+        reduce = getattr(drafter, "teacher_vocab", None) if config.canvas_vocab == "draft" else None
+        self.teacher_vocab: TeacherVocab | None = None if reduce is None else reduce(self.device)
         self.scope = make_scope(config.scope)
         # What the next canvas of a request conditions on: EAGLE-3 the anchor feature [F];
         # DFlash the features [B, F] of last round's block, starting at position context_starts[rid],

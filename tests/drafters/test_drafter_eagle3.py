@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import replace
 
 import pytest
 import torch
 
+from sglang_tts.config import TTSConfig
+from sglang_tts.core.canvas import Canvas, stack_rounds
+from sglang_tts.core.distiller import Distiller
 from sglang_tts.core.drafter_api import DifferentiableDrafter
 from sglang_tts.drafters import Eagle3Drafter, UnsupportedDrafterConfigError, load_drafter
 from sglang_tts.drafters.checkpoints import write_tiny_eagle3
@@ -214,6 +218,90 @@ def test_teacher_probs_on_draft_vocab(eagle3, make_eagle3_inputs):
     assert bool(mask[0, 0]) and not bool(mask[0, 1])
     torch.testing.assert_close(mask, eagle3.t2d[logits.argmax(-1)])
     assert int(probs[0, 0].argmax()) == 5
+
+
+def test_a_canvas_captured_at_the_draft_vocab_gives_the_same_teacher_on_the_positions_it_keeps(
+    eagle3, make_eagle3_inputs
+):
+    """Capture's reduction (core/canvas.py TeacherVocab): the logits at the draft ids only, and the
+    positions whose target top-1 lies outside them out of `valid`. The teacher and the loss's mask
+    are those of the whole-vocabulary canvas; a canvas of another vocabulary is refused."""
+    canvas = make_eagle3_inputs(eagle3)["canvas"]
+    outside = torch.nonzero(~eagle3.t2d).flatten()
+    logits = canvas.target_logits.clone()
+    logits[1, 2, outside[0]] = 50.0  # top-1 outside the draft vocabulary
+    logits[0, 3] = float("-inf")  # a row without mass on the draft ids (masked vocabulary)
+    logits[0, 3, outside[1]] = 0.0
+    full = replace(canvas, target_logits=logits)
+    vocab = eagle3.teacher_vocab("cpu")
+    assert vocab is not None and vocab.ids.shape == (eagle3.cfg.draft_vocab_size,)
+    flat = logits.reshape(-1, logits.shape[-1])
+    kept, top1_covered = vocab.gather(flat, torch.arange(flat.shape[0]))
+    reduced = replace(
+        canvas,
+        target_logits=kept.view(2, 4, -1),
+        valid=canvas.valid & top1_covered.view(2, 4),
+        teacher_ids=vocab.ids,
+    )
+    reduced.validate()
+    probs, mask = eagle3.teacher_probs(reduced)
+    want_probs, want_mask = eagle3.teacher_probs(full)
+    assert torch.equal(reduced.valid & mask, full.valid & want_mask)
+    assert not bool(reduced.valid[1, 2]) and not bool(reduced.valid[0, 3])
+    torch.testing.assert_close(probs, want_probs)
+    assert not torch.isnan(probs).any() and float(probs[0, 3].abs().sum()) == 0.0
+    other = replace(reduced, teacher_ids=vocab.ids.flip(0))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        eagle3.teacher_probs(other)
+
+
+def test_an_update_on_stacked_rounds_captured_at_the_draft_vocab_trains_the_same_weights(eagle3, make_eagle3_inputs):
+    """A stride's update (three rounds stacked, core/canvas.py stack_rounds) on canvases captured at the
+    draft vocabulary takes the same step as on whole-vocabulary canvases: the saving is in memory and
+    copies only."""
+    vocab = eagle3.teacher_vocab("cpu")
+
+    def reduced(canvas: Canvas) -> Canvas:
+        b, c, v = canvas.target_logits.shape
+        flat = canvas.target_logits.reshape(b * c, v)
+        logits, top1_covered = vocab.gather(flat, torch.arange(b * c))
+        return replace(
+            canvas,
+            target_logits=logits.view(b, c, -1),
+            valid=canvas.valid & top1_covered.view(b, c),
+            teacher_ids=vocab.ids,
+        )
+
+    rounds = []
+    for seed in range(3):
+        canvas = replace(make_eagle3_inputs(eagle3, seed=seed)["canvas"], request_ids=["a", "b"])
+        canvas.target_logits[:, :2, vocab.ids[seed]] += 8.0  # some top-1s inside the draft vocabulary
+        rounds.append(
+            canvas if seed == 2 else replace(canvas, past_kv=None, past_mask=None, positions=canvas.positions - 2)
+        )
+    stacked = {
+        "full": stack_rounds(rounds[:2], rounds[2]),
+        "draft": stack_rounds([reduced(c) for c in rounds[:2]], reduced(rounds[2])),
+    }
+    assert (
+        stacked["draft"].target_logits.shape[-1]
+        == eagle3.cfg.draft_vocab_size
+        < stacked["full"].target_logits.shape[-1]
+    )
+    kept = stacked["draft"].valid
+    assert kept.any() and not kept.all()
+    trained = {}
+    for name, canvas in stacked.items():
+        drafter = copy.deepcopy(eagle3)
+        distiller = Distiller(drafter, TTSConfig(update_stride=1, lr=1e-2, reg_lambda=0.0, log_interval=0))
+        assert distiller.observe(canvas, owned=True)
+        distiller.barrier()
+        assert distiller.stats.num_updates == 1
+        trained[name] = {n: p.detach().clone() for n, p in drafter.trainable_named_parameters()}
+    before = dict(eagle3.trainable_named_parameters())
+    for n, p in trained["draft"].items():
+        torch.testing.assert_close(p, trained["full"][n])
+    assert any(not torch.equal(p, before[n]) for n, p in trained["draft"].items())
 
 
 def test_draft_vocab_maps_are_consistent(tmp_path, eagle3, llama_target, make_target_tensors):

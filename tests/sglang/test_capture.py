@@ -6,6 +6,7 @@ import pytest
 import torch
 from sglang_testing import forbid_host_reads
 
+from sglang_tts.core.canvas import TeacherVocab
 from sglang_tts.sglang.capture import build_canvas, build_kept_canvas, path_rows
 
 
@@ -110,3 +111,40 @@ def test_a_kept_canvas_is_the_update_canvas_without_kv_and_reads_nothing_on_the_
     torch.testing.assert_close(kept.target_logits[:, :c][valid], reference.target_logits[valid])
     torch.testing.assert_close(kept.features, reference.features)
     assert kept.num_accepted.tolist() == reference.num_accepted.tolist()
+
+
+def test_capture_at_a_teacher_vocab_keeps_the_drafters_ids_and_drops_positions_whose_top1_is_outside(monkeypatch):
+    """With a TeacherVocab (an EAGLE-3 draft vocabulary), the update canvas and a kept canvas hold the
+    target's logits at those ids only, `valid` loses the positions whose target top-1 lies outside
+    them, and their tokens still feed the chain (not cleared like padding). The kept canvas still
+    reads nothing on the host."""
+    n, vocab, f = 4, 12, 6
+    ids = torch.tensor([1, 2, 5, 7, 11])
+    covered = torch.zeros(vocab, dtype=torch.bool)
+    covered[ids] = True
+    teacher = TeacherVocab(ids=ids, covered=covered)
+    draft_tokens = torch.arange(100, 100 + 2 * n)
+    logits = torch.randn(2 * n, vocab)
+    logits[:, 2] = 20.0  # every top-1 inside the draft vocabulary (id 2) ...
+    logits[1, 3] = 40.0  # ... but request "a"'s canvas position 1 (id 3, outside)
+    logits[4, 5] = 40.0  # request "b", canvas position 0: top-1 inside
+    anchors = [torch.ones(f), torch.full((f,), 2.0)]
+    accept_index = torch.tensor([[0, 1, 2, -1], [4, 5, -1, -1]])
+    accept_lens = torch.tensor([3, 2])
+    common = dict(request_ids=["a", "b"], draft_tokens=draft_tokens, target_logits=logits, anchor_features=anchors)
+    rows = path_rows(1, n, accept_lens.tolist(), accept_index)
+    full = build_canvas(rows=rows, seq_lens=[7, 9], **common)
+    reduced = build_canvas(rows=rows, seq_lens=[7, 9], teacher=teacher, **common)
+    assert reduced.target_logits.shape == (2, 3, len(ids)) and torch.equal(reduced.teacher_ids, ids)
+    torch.testing.assert_close(reduced.target_logits, full.target_logits[..., ids])
+    assert reduced.valid.tolist() == [[True, False, True], [True, True, False]]
+    assert torch.equal(reduced.input_ids, full.input_ids) and reduced.input_ids[0, 1].item() == 101
+    with monkeypatch.context() as m:
+        forbid_host_reads(m)
+        kept = build_kept_canvas(
+            accept_index=accept_index, accept_lens=accept_lens, seq_lens=torch.tensor([7, 9]), teacher=teacher, **common
+        )
+    assert kept.target_logits.shape == (2, n, len(ids)) and torch.equal(kept.teacher_ids, ids)
+    torch.testing.assert_close(kept.target_logits[:, :3], reduced.target_logits)
+    assert torch.equal(kept.valid[:, :3], reduced.valid) and not kept.valid[:, 3].any()
+    assert kept.input_ids[0, 1].item() == 101

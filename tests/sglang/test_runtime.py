@@ -4,13 +4,15 @@ Prometheus counters see every reset, skipped update and failed publish."""
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 import pytest
 import torch
 from prometheus_client import CollectorRegistry
 from sglang_testing import core
 
-from sglang_tts.config import TTSConfig
+from sglang_tts.config import TTSConfig, TTSConfigError
+from sglang_tts.core.canvas import TeacherVocab
 from sglang_tts.sglang.metrics import SchedulerMetrics
 from sglang_tts.sglang.runtime import FAULT_ENV, TTSRuntime
 
@@ -359,3 +361,25 @@ def test_check_mode_skips_the_round_whose_context_the_radix_cache_rebound(monkey
     _check_round(runtime, generator, ["a"])  # b left: everything it held goes with it
     assert "b" not in runtime._prefill_locs and "b" not in runtime._drafted_version
     assert runtime.num_tracked() == 2  # a's counters and the version its next first token is drafted with
+
+
+def test_capture_keeps_the_drafters_vocabulary_unless_told_to_keep_all(monkeypatch):
+    """The runtime asks the drafter once for the ids its loss reads (EAGLE-3: the draft vocabulary);
+    `--tts-canvas-vocab full` keeps every id, and a drafter without the method keeps every id."""
+    ids = torch.tensor([0, 3, 5])
+    covered = torch.zeros(core.VOCAB, dtype=torch.bool)
+    covered[ids] = True
+    asked = []
+
+    class Reduced(core.TinyDrafter):
+        def teacher_vocab(self, device):
+            asked.append(torch.device(device))
+            return TeacherVocab(ids=ids.to(device), covered=covered.to(device))
+
+    config = TTSConfig(update_stride=1, lr=1e-3, reg_lambda=0.0, log_interval=0, sync=True)
+    runtime = TTSRuntime(Reduced(), config, None, "cpu")
+    assert torch.equal(runtime.teacher_vocab.ids, ids) and asked == [torch.device("cpu")]
+    assert TTSRuntime(Reduced(), replace(config, canvas_vocab="full"), None, "cpu").teacher_vocab is None
+    assert TTSRuntime(core.TinyDrafter(), config, None, "cpu").teacher_vocab is None
+    with pytest.raises(TTSConfigError, match="--tts-canvas-vocab"):
+        replace(config, canvas_vocab="half").validate()
