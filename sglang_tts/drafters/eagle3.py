@@ -629,22 +629,25 @@ class Eagle3Drafter(nn.Module):
         from sglang_tts.kernels import gather_draft_probs  # fused Triton gather on CUDA, PyTorch elsewhere
 
         logits = canvas.target_logits
-        if canvas.teacher_ids is not None:
-            ids = canvas.teacher_ids
-            own = self.draft_to_target_ids().to(ids.device)
-            issued = ids is getattr(self, "_issued_teacher_ids", None)
-            if ids.shape[0] != own.shape[0] or not (issued or torch.equal(ids, own)):
-                raise ValueError("the canvas was captured at another vocabulary than this drafter's (teacher_ids)")
-            row_max = logits.amax(dim=-1, keepdim=True).float()
-            has_mass = torch.isfinite(row_max)  # a row of -inf only (masked vocabulary) gives zeros, not NaN
-            unnorm = torch.exp(logits.float() - torch.where(has_mass, row_max, torch.zeros_like(row_max)))
-            probs = unnorm / unnorm.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(unnorm.dtype).tiny)
-            return probs, torch.ones(logits.shape[:2], dtype=torch.bool, device=logits.device)
-        if logits.shape[-1] != self.cfg.vocab_size:
-            raise ValueError(f"target_logits vocab {logits.shape[-1]} != drafter target vocab {self.cfg.vocab_size}")
         batch, length, vocab = logits.shape
-        probs, mask = gather_draft_probs(logits.reshape(batch * length, vocab), self.d2t, self.t2d)
+        if canvas.teacher_ids is None:
+            if vocab != self.cfg.vocab_size:
+                raise ValueError(f"target_logits vocab {vocab} != drafter target vocab {self.cfg.vocab_size}")
+            d2t, t2d = self.d2t, self.t2d
+        else:
+            self._check_captured_vocab(canvas.teacher_ids)
+            d2t, t2d = torch.zeros(vocab, dtype=torch.long, device=logits.device), None  # at the draft ids: identity
+        probs, mask = gather_draft_probs(logits.reshape(batch * length, vocab), d2t, t2d)
         return probs.reshape(batch, length, -1), mask.reshape(batch, length)
+
+    def _check_captured_vocab(self, ids: torch.Tensor) -> None:
+        """A canvas's teacher_ids must be this drafter's draft vocabulary: the ids `teacher_vocab()` issued
+        (known without a comparison, which would sync the device), or equal to them."""
+        if ids is getattr(self, "_issued_teacher_ids", None):
+            return
+        own = self.draft_to_target_ids().to(ids.device)
+        if ids.shape != own.shape or not torch.equal(ids, own):
+            raise ValueError("the canvas was captured at another vocabulary than this drafter's (teacher_ids)")
 
     def default_position_weights(self, length: int) -> torch.Tensor:
         """w_k = 0.8 ** (k - 1), k = 1..length (EAGLE-3 ploss_weight)."""
