@@ -23,7 +23,8 @@ past positions per layer; with ``--one-request`` the B rows are B rounds of one 
 stacks them (core/canvas.py stack_rounds): one K/V of batch 1, the latest row reading all ``--context``
 positions and each earlier row 2 fewer. DFlash: canvas length ``--dflash-canvas`` (committed + 1, at most
 block - 1), the target features of the previous round's committed tokens [B, n, F] and the drafter's K/V of
-the rest of the ``--context`` positions. In a batch, odd rows accepted half as much (shorter valid canvas).
+the rest of the ``--context`` positions. In a batch, odd rows accepted half as much (shorter valid canvas;
+EAGLE-3: ``--valid-lengths`` sets the rows' valid lengths in turn instead).
 Target logits are random with a clear top token inside the draft vocabulary, so every valid position enters
 the loss.
 
@@ -103,6 +104,7 @@ class Settings:
     context: int = 512
     eagle3_canvas: int = 4
     one_request: bool = False  # EAGLE-3: the rows are rounds of one request (one K/V of batch 1)
+    valid_lengths: tuple[int, ...] | None = None  # rows' valid canvas lengths, in turn (None: c and c // 2)
     dflash_canvas: int = 4
     dflash_block_size: int = 8
     dflash_layers: int = 2
@@ -231,9 +233,11 @@ def selected_names(drafter: nn.Module, prefixes: tuple[str, ...] | None) -> froz
     return frozenset(n for n in names if prefixes is None or any(n.startswith(p) for p in prefixes))
 
 
-def _valid_lengths(b: int, c: int) -> torch.Tensor:
-    """Row r's valid canvas length: c, and half of it on odd rows (requests that accepted less)."""
-    return torch.tensor([c if r % 2 == 0 else max(1, c // 2) for r in range(b)], dtype=torch.long)
+def _valid_lengths(b: int, c: int, pattern: Sequence[int] | None = None) -> torch.Tensor:
+    """Row r's valid canvas length: `pattern` in turn (each clamped to 1..c), or by default c, and half
+    of it on odd rows (requests that accepted less)."""
+    pattern = (c, max(1, c // 2)) if not pattern else pattern
+    return torch.tensor([min(c, max(1, pattern[r % len(pattern)])) for r in range(b)], dtype=torch.long)
 
 
 def _teacher(b: int, c: int, vocab: int, top: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -243,7 +247,13 @@ def _teacher(b: int, c: int, vocab: int, top: torch.Tensor, gen: torch.Generator
 
 
 def eagle3_canvas(
-    base: nn.Module, b: int, c: int, context: int, gen: torch.Generator, one_request: bool = False
+    base: nn.Module,
+    b: int,
+    c: int,
+    context: int,
+    gen: torch.Generator,
+    one_request: bool = False,
+    valid_lengths: Sequence[int] | None = None,
 ) -> Canvas:
     cfg = base.cfg
     draft_ids = base.draft_to_target_ids().cpu()
@@ -251,7 +261,7 @@ def eagle3_canvas(
     def pick(*shape: int) -> torch.Tensor:
         return draft_ids[torch.randint(0, draft_ids.numel(), shape, generator=gen)]
 
-    lengths = _valid_lengths(b, c)
+    lengths = _valid_lengths(b, c, valid_lengths)
     kv_rows = 1 if one_request else b
     kv = [
         tuple(torch.randn(kv_rows, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen) for _ in range(2))
@@ -309,7 +319,9 @@ def make_canvases(
     out = []
     for _ in range(settings.canvases):
         if kind == "eagle3":
-            canvas = eagle3_canvas(base, config.batch_size, length, settings.context, gen, settings.one_request)
+            canvas = eagle3_canvas(
+                base, config.batch_size, length, settings.context, gen, settings.one_request, settings.valid_lengths
+            )
         else:
             canvas = build(base, config.batch_size, length, settings.context, gen)
         if config.scope == "request":
@@ -692,6 +704,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     add("--context", type=int, default=512, help="past positions of the drafter's K/V and the target's KV cache")
     add("--eagle3-canvas", type=int, default=4, help="EAGLE-3 canvas length (accepted path + 1)")
     add("--one-request", action="store_true", help="EAGLE-3: the B rows are rounds of one request (an update window)")
+    add(
+        "--valid-lengths",
+        nargs="+",
+        type=int,
+        default=None,
+        help="EAGLE-3: the rows' valid canvas lengths, in turn (default: the canvas length, half of it on odd rows)",
+    )
     add("--dflash-canvas", type=int, default=4, help="DFlash canvas length (committed + 1, at most block - 1)")
     add("--dflash-block-size", type=int, default=8)
     add("--dflash-layers", type=int, default=2)
@@ -729,6 +748,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         context=args.context,
         eagle3_canvas=args.eagle3_canvas,
         one_request=args.one_request,
+        valid_lengths=tuple(args.valid_lengths) if args.valid_lengths else None,
         dflash_canvas=args.dflash_canvas,
         dflash_block_size=args.dflash_block_size,
         dflash_layers=args.dflash_layers,

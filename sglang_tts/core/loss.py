@@ -118,23 +118,27 @@ def compute_loss(
     "naive" materialises the logits and uses `tts_loss` (the only path that reports the two KL
     terms apart). Every other name ("auto", "chunked", "triton") goes to
     `sglang_tts.kernels.fused_linear_kl`, the one place a kernel backend is chosen and validated,
-    on the flattened positions, with the mask folded into the per-position weights (pre-divided
-    by B, the same normalisation as `tts_loss`).
+    on the masked positions only, with the per-position weights pre-divided by B (the same
+    normalisation as `tts_loss`).
     """
     if backend == "naive":
         logits = hidden @ lm_head_weight.t()
         return tts_loss(logits, teacher_probs, weights, mask, prev_logits, reg_lambda)
     batch, length, width = hidden.shape
-    w = position_weight_matrix(weights, mask) / batch
+    # Only the masked positions reach the kernel: the others carry zero weight, and a stride's
+    # stacked rounds are mostly padding. One host read of the row list (the update's thread).
+    rows = mask.reshape(-1).nonzero().squeeze(1).to(hidden.device)
+    w = (position_weight_matrix(weights, mask) / batch).reshape(-1).index_select(0, rows)
     prev_probs = None
     if prev_logits is not None and reg_lambda > 0.0:
-        prev_probs = torch.softmax(prev_logits.detach().float(), dim=-1).reshape(batch * length, -1)
-    p = torch.where(mask.unsqueeze(-1), teacher_probs, 0.0).reshape(batch * length, -1)
+        prev_rows = prev_logits.detach().reshape(batch * length, -1).index_select(0, rows)
+        prev_probs = torch.softmax(prev_rows.float(), dim=-1)
+    p = teacher_probs.reshape(batch * length, -1).index_select(0, rows)
     loss = fused_linear_kl(
-        hidden.reshape(batch * length, width),
+        hidden.reshape(batch * length, width).index_select(0, rows),
         lm_head_weight,
         p,
-        w.reshape(-1),
+        w,
         prev_probs=prev_probs,
         reg_lambda=reg_lambda,
         backend=backend,

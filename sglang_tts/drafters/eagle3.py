@@ -577,6 +577,13 @@ class Eagle3Drafter(nn.Module):
 
         Gradients flow through the whole unroll: the recycled hidden and the canvas positions'
         own K/V keep their graph (as in EAGLE-3's training-time test); `past_kv` is detached.
+
+        Positions after a row's last valid one are not computed (zeros there): they enter no loss and
+        feed no earlier position, and a stride's stacked rounds are mostly such padding (a chain of 3
+        verifies 4 positions, about 2 of them valid one at a time on the testbed). Step k runs only the
+        rows with a valid position at k or later (`_rows_by_need`); every computed position is what the
+        full unroll gives. Not trimmed: rows with per-request adapter slots (their hooks read one slot
+        per canvas row) and per-row context K/V (a gather of the context would cost what it saves).
         """
         b, c = canvas.input_ids.shape
         if canvas.features.shape != (b, self.fc.in_features):
@@ -585,19 +592,54 @@ class Eagle3Drafter(nn.Module):
         cache_mask = check_past(canvas.past_kv, canvas.past_mask, len(self.layers), b)
         # The context K/V and each step's own K/V stay separate segments: the context (thousands of
         # rows per canvas row) is read by every step, never copied, and gets no K/V gradient.
-        past: list[KVCache] = [] if canvas.past_kv is None else [detach_kv(canvas.past_kv)]
-        embeds = self.embed(canvas.input_ids)
-        rope_positions = canvas.positions - 1
-        hidden = self.project_features(canvas.features)[:, None]
+        context: list[KVCache] = [] if canvas.past_kv is None else [detach_kv(canvas.past_kv)]
+        input_ids, positions, features = canvas.input_ids, canvas.positions, canvas.features
+        order, alive = self._rows_by_need(canvas)
+        if order is not None:
+            input_ids, positions, features = (t.index_select(0, order) for t in (input_ids, positions, features))
+            cache_mask = None if cache_mask is None else cache_mask.index_select(0, order)
+        embeds = self.embed(input_ids)
+        rope_positions = positions - 1
+        hidden = self.project_features(features)[:, None]
+        own: list[KVCache] = []  # each step's K/V, rows in step order (alive rows come first)
         outputs = []
         for k in range(c):
-            step = self._run_rows(embeds[:, k : k + 1], hidden, rope_positions[:, k : k + 1], past, cache_mask)
-            outputs.append(step.hidden)
+            n = alive[k]
+            if n == 0:
+                break
+            if n < hidden.shape[0]:
+                hidden = hidden[:n]
+                own = [[(key[:n], value[:n]) for key, value in kv] for kv in own]
+                cache_mask = None if cache_mask is None else cache_mask[:n]
+            step = self._run_rows(
+                embeds[:n, k : k + 1], hidden, rope_positions[:n, k : k + 1], [*context, *own], cache_mask
+            )
+            outputs.append(F.pad(step.hidden, (0, 0, 0, 0, 0, b - n)) if n < b else step.hidden)
             hidden = step.aux
-            past = [*past, step.kv]
-            own = torch.ones(b, 1, dtype=torch.bool, device=embeds.device)
-            cache_mask = own if cache_mask is None else torch.cat((cache_mask, own), dim=1)
-        return torch.cat(outputs, dim=1)
+            own.append(step.kv)
+            mine = torch.ones(n, 1, dtype=torch.bool, device=embeds.device)
+            cache_mask = mine if cache_mask is None else torch.cat((cache_mask, mine), dim=1)
+        out = torch.cat(outputs, dim=1)
+        if out.shape[1] < c:
+            out = F.pad(out, (0, 0, 0, c - out.shape[1]))
+        if order is not None:
+            out = out.index_select(0, torch.argsort(order))
+        return out
+
+    def _rows_by_need(self, canvas: Canvas) -> tuple[torch.Tensor | None, list[int]]:
+        """Rows sorted by how many canvas positions they need (their last valid position + 1), most
+        first, and how many rows step k runs: (order [B] or None when nothing is trimmed, [C] counts).
+        One host read of C counts, on the update's thread (the loss reads its mask count there too)."""
+        b, c = canvas.input_ids.shape
+        per_row_context = canvas.past_kv is not None and canvas.past_kv[0][0].shape[0] != 1
+        if canvas.slots is not None or per_row_context or b == 1:
+            return None, [b] * c
+        valid = canvas.valid.to(canvas.input_ids.device)
+        need = (valid * torch.arange(1, c + 1, device=valid.device)).amax(dim=1)  # [B]
+        alive = (need[None, :] > torch.arange(c, device=valid.device)[:, None]).sum(dim=1).tolist()
+        if alive[-1] == b:
+            return None, alive
+        return torch.argsort(need, descending=True, stable=True), alive
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.lm_head is not None:

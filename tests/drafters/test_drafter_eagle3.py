@@ -169,6 +169,48 @@ def test_one_requests_kv_read_by_every_row_trains_as_a_copy_per_row(eagle3, make
         torch.testing.assert_close(grad, grads[1][1][name], rtol=1e-4, atol=1e-6)
 
 
+def test_positions_past_a_rows_last_valid_one_are_skipped_and_change_nothing(eagle3, make_eagle3_inputs):
+    """A stride's stacked rounds are mostly padding after each row's last valid position: the unroll
+    runs step k only on the rows with a valid position at k or later. What it computes, and the
+    weight gradients of a loss on the valid positions, are the full unroll's; the rest is zeros."""
+    one = make_eagle3_inputs(eagle3, batch=1, context=6)["canvas"]
+    rows = make_eagle3_inputs(eagle3, batch=4, context=6, seed=1)["canvas"]
+    # Row 2 has no valid position; row 3 a gap (a target top-1 outside the draft vocabulary).
+    valid = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0], [0, 1, 0, 1]], dtype=torch.bool)
+    past_mask = torch.tensor([[1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1] * 6, [1, 1, 1, 0, 0, 0]], dtype=torch.bool)
+    trimmed = replace(rows, past_kv=one.past_kv, past_mask=past_mask, valid=valid)
+    full = replace(trimmed, valid=torch.ones_like(valid))
+    order, alive = eagle3._rows_by_need(trimmed)
+    assert alive == [3, 3, 2, 2] and order is not None
+    assert eagle3._rows_by_need(full) == (None, [4, 4, 4, 4])
+    need = torch.tensor([2, 4, 0, 4])
+    computed = torch.arange(4)[None] < need[:, None]
+    results = []
+    for canvas in (trimmed, full):
+        eagle3.zero_grad(set_to_none=True)
+        hidden = eagle3.canvas_logits(canvas)  # hidden @ lm_head.T: zeros where the hidden is
+        (hidden * torch.linspace(-1, 1, hidden.numel()).view_as(hidden) * valid[..., None]).sum().backward()
+        results.append((hidden.detach(), {n: p.grad.clone() for n, p in eagle3.trainable_named_parameters()}))
+    eagle3.zero_grad(set_to_none=True)
+    (short, short_grads), (long, long_grads) = results
+    torch.testing.assert_close(short[computed], long[computed])
+    assert short[~computed].abs().sum() == 0 and long[~computed].abs().sum() > 0
+    for name, grad in short_grads.items():
+        torch.testing.assert_close(grad, long_grads[name], rtol=1e-4, atol=1e-6)
+
+
+def test_rows_are_not_trimmed_with_per_row_context_or_adapter_slots(eagle3, make_eagle3_inputs):
+    """Per-row context K/V would need a gather of the context to drop rows; adapter hooks read one slot
+    per canvas row. Both run the full unroll."""
+    canvas = make_eagle3_inputs(eagle3, batch=2)["canvas"]
+    short = replace(canvas, valid=torch.tensor([[1, 0, 0, 0], [1, 1, 1, 1]], dtype=torch.bool))
+    assert eagle3._rows_by_need(short)[0] is None  # [2, H, L, D] context: one copy per row
+    one = make_eagle3_inputs(eagle3, batch=1)["canvas"]
+    shared = replace(short, past_kv=one.past_kv)
+    assert eagle3._rows_by_need(shared)[0] is not None
+    assert eagle3._rows_by_need(replace(shared, slots=torch.tensor([0, 1])))[0] is None
+
+
 def test_recycled_hidden_is_prenorm_unless_norm_output(tmp_path, llama_target, make_target_tensors, make_eagle3_inputs):
     embedding = make_target_tensors(llama_target)[0]
     path = write_tiny_eagle3(tmp_path / "e", llama_target)

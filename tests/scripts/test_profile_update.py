@@ -116,3 +116,13 @@ def test_one_request_canvases_are_rounds_of_one_request_reading_one_kv(script, t
     assert canvas.positions[:, 0].tolist() == [10, 12, 14, 16]
     with torch.no_grad():
         assert torch.isfinite(base.canvas_logits(canvas)).all()
+
+
+def test_valid_lengths_set_the_rows_valid_positions_in_turn(script):
+    """--valid-lengths: the rows' valid canvas lengths cycle through the pattern, clamped to 1..c (the
+    stacked rounds of a stride are mostly short: about 2 valid positions of 4 one at a time)."""
+    assert script._valid_lengths(5, 4, (1, 2, 9)).tolist() == [1, 2, 4, 1, 2]
+    assert script._valid_lengths(3, 4, (0,)).tolist() == [1, 1, 1]
+    assert script._valid_lengths(4, 4).tolist() == [4, 2, 4, 2]
+    assert script.parse_args(["--valid-lengths", "1", "2"]).valid_lengths == (1, 2)
+    assert script.parse_args([]).valid_lengths is None
