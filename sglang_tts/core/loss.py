@@ -146,4 +146,4 @@ def compute_loss(
     # The fused kernels return the total only; without the regulariser it is the KL term.
     nan = torch.full((), math.nan, device=hidden.device)
     kl_teacher = loss.detach() if prev_probs is None else nan
-    return LossOutput(loss, kl_teacher, nan, int(mask.sum()))
+    return LossOutput(loss, kl_teacher, nan, int(rows.numel()))
