@@ -19,12 +19,14 @@ for the trained subsets in ``--serving-trainable`` (default: all, and every per-
 
 Canvases. EAGLE-3: chain drafts, canvas length ``--eagle3-canvas`` (accepted path + 1; 4 for a fully
 accepted chain of 3), features [B, F] (the anchor's target features), the drafter's K/V of ``--context``
-past positions per layer; with ``--one-request`` the B rows are B rounds of one request, as an update window
-stacks them (core/canvas.py stack_rounds): one K/V of batch 1, the latest row reading all ``--context``
-positions and each earlier row 2 fewer. DFlash: canvas length ``--dflash-canvas`` (committed + 1, at most
-block - 1), the target features of the previous round's committed tokens [B, n, F] and the drafter's K/V of
-the rest of the ``--context`` positions. In a batch, odd rows accepted half as much (shorter valid canvas;
-EAGLE-3: ``--valid-lengths`` sets the rows' valid lengths in turn instead).
+past positions per layer, one entry per row; with ``--requests R`` the B rows are rounds of R requests
+(row i of request i % R), as an update window stacks them (core/canvas.py stack_rounds): one K/V entry per
+request (batch 1 at ``--one-request``, i.e. R = 1; otherwise read through ``context_rows``), each request's
+latest row reading all ``--context`` positions and each earlier row of it 2 fewer. DFlash: canvas length
+``--dflash-canvas`` (committed + 1, at most block - 1), the target features of the previous round's committed
+tokens [B, n, F] and the drafter's K/V of the rest of the ``--context`` positions. In a batch, odd rows
+accepted half as much (shorter valid canvas; EAGLE-3: ``--valid-lengths`` sets the rows' valid lengths in
+turn instead).
 Target logits are random with a clear top token inside the draft vocabulary, so every valid position enters
 the loss.
 
@@ -103,7 +105,7 @@ class Settings:
     canvases: int = 3  # distinct random canvases, used in turn
     context: int = 512
     eagle3_canvas: int = 4
-    one_request: bool = False  # EAGLE-3: the rows are rounds of one request (one K/V of batch 1)
+    requests: int = 0  # EAGLE-3: the rows are rounds of this many requests, one K/V entry each (0: a request per row)
     valid_lengths: tuple[int, ...] | None = None  # rows' valid canvas lengths, in turn (None: c and c // 2)
     dflash_canvas: int = 4
     dflash_block_size: int = 8
@@ -252,7 +254,7 @@ def eagle3_canvas(
     c: int,
     context: int,
     gen: torch.Generator,
-    one_request: bool = False,
+    requests: int = 0,
     valid_lengths: Sequence[int] | None = None,
 ) -> Canvas:
     cfg = base.cfg
@@ -262,13 +264,14 @@ def eagle3_canvas(
         return draft_ids[torch.randint(0, draft_ids.numel(), shape, generator=gen)]
 
     lengths = _valid_lengths(b, c, valid_lengths)
-    kv_rows = 1 if one_request else b
+    kv_rows = min(requests, b) if requests > 0 else b
     kv = [
         tuple(torch.randn(kv_rows, cfg.num_key_value_heads, context, cfg.head_dim, generator=gen) for _ in range(2))
         for _ in base.layers
     ]
-    # One request: row i is the round 2 (B - 1 - i) positions before the latest (it read that much less).
-    reads = (context - 2 * (b - 1 - torch.arange(b))).clamp(min=1) if one_request else torch.full((b,), context)
+    # Row i of request i % R is the round 2 ((B - 1 - i) // R) positions before its request's latest.
+    rows = torch.arange(b)
+    reads = (context - 2 * ((b - 1 - rows) // kv_rows)).clamp(min=1) if requests > 0 else torch.full((b,), context)
     return Canvas(
         input_ids=pick(b, c),
         positions=(reads[:, None] + torch.arange(c)[None]).clone(),
@@ -278,6 +281,7 @@ def eagle3_canvas(
         past_kv=kv,
         past_mask=torch.arange(context)[None] < reads[:, None],
         num_accepted=lengths - 1,
+        context_rows=(rows % kv_rows).tolist() if 1 < kv_rows < b else None,
     )
 
 
@@ -320,7 +324,7 @@ def make_canvases(
     for _ in range(settings.canvases):
         if kind == "eagle3":
             canvas = eagle3_canvas(
-                base, config.batch_size, length, settings.context, gen, settings.one_request, settings.valid_lengths
+                base, config.batch_size, length, settings.context, gen, settings.requests, settings.valid_lengths
             )
         else:
             canvas = build(base, config.batch_size, length, settings.context, gen)
@@ -703,7 +707,13 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
     add("--canvases", type=int, default=3, help="distinct random canvases, used in turn")
     add("--context", type=int, default=512, help="past positions of the drafter's K/V and the target's KV cache")
     add("--eagle3-canvas", type=int, default=4, help="EAGLE-3 canvas length (accepted path + 1)")
-    add("--one-request", action="store_true", help="EAGLE-3: the B rows are rounds of one request (an update window)")
+    add("--one-request", action="store_true", help="EAGLE-3: the B rows are rounds of one request (--requests 1)")
+    add(
+        "--requests",
+        type=int,
+        default=0,
+        help="EAGLE-3: the B rows are rounds of this many requests (an update window at several; 0: one per row)",
+    )
     add(
         "--valid-lengths",
         nargs="+",
@@ -747,7 +757,7 @@ def parse_args(argv: Sequence[str] | None) -> Settings:
         canvases=args.canvases,
         context=args.context,
         eagle3_canvas=args.eagle3_canvas,
-        one_request=args.one_request,
+        requests=1 if args.one_request else args.requests,
         valid_lengths=tuple(args.valid_lengths) if args.valid_lengths else None,
         dflash_canvas=args.dflash_canvas,
         dflash_block_size=args.dflash_block_size,

@@ -53,6 +53,9 @@ class Canvas:
     # [B] int64 per-request adapter slot of each row (core/adapters.py; -1: none). None: no adapters.
     slots: torch.Tensor | None = None
     round_index: int = 0
+    # [B] host ints: the entry of `past_kv` each row reads, which then holds one entry per request
+    # ([R, H_kv, L, D]: stack_rounds at several requests). None: row i reads entry i (or the one entry).
+    context_rows: list[int] | None = None
     # [V'] int64: the target ids target_logits' last dimension holds (TeacherVocab.ids; valid already
     # excludes positions whose target top-1 lies outside them). None: the whole target vocabulary.
     teacher_ids: torch.Tensor | None = None
@@ -127,7 +130,14 @@ class Canvas:
             num_accepted=cp(self.num_accepted),
             request_ids=list(self.request_ids),
             slots=cp(self.slots),
+            context_rows=None if self.context_rows is None else list(self.context_rows),
         )
+
+    def context_entries(self) -> list[int] | None:
+        """The `past_kv` entry each row reads (host ints), or None: no context, or one entry every row reads."""
+        if self.past_kv is None or (self.context_rows is None and self.past_kv[0][0].shape[0] == 1):
+            return None
+        return list(range(self.batch_size)) if self.context_rows is None else list(self.context_rows)
 
     def validate(self) -> None:
         b, c = self.input_ids.shape
@@ -139,6 +149,10 @@ class Canvas:
             raise ValueError("valid must be a [B, C] bool tensor")
         if self.features.shape[0] != b:
             raise ValueError("features must have the batch dimension first")
+        if self.context_rows is not None:
+            entries = 0 if self.past_kv is None else self.past_kv[0][0].shape[0]
+            if len(self.context_rows) != b or not all(0 <= r < entries for r in self.context_rows):
+                raise ValueError(f"context_rows must name one of the {entries} past_kv entries for each of {b} rows")
         if self.teacher_ids is not None and self.target_logits.shape[-1] != self.teacher_ids.shape[0]:
             raise ValueError(
                 f"target_logits hold {self.target_logits.shape[-1]} ids, teacher_ids {self.teacher_ids.shape[0]}"
@@ -176,9 +190,11 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
     K/V entry before its anchor's row, and a live request's draft KV entries are never rewritten,
     so its prefix then is the prefix now). Rows of requests absent from `latest` (finished, or not
     in this batch) are dropped. Shorter canvases are padded (invalid positions). New tensors
-    throughout, except the K/V of a `latest` of one request: every row reads that request's, so
-    they stay one [1, H_kv, L, D] copy (the drafters' attention reads a batch-1 segment once for
-    all rows) instead of one gathered copy per row; only the [rows, L] mask is per row.
+    throughout, except `latest`'s K/V: they stay as they are, one entry per request, and
+    `context_rows` says which entry each row reads (a [1, H_kv, L, D] K/V at one request needs no
+    index: every row reads it). The drafters' attention reads each entry once for its rows, never a
+    gathered copy per row (rows x context: ~200 MB of K and V per drafter layer at 64 rows of 3K);
+    only the [rows, L] mask is per row.
     """
     row_of = {rid: i for i, rid in enumerate(latest.request_ids)}
     parts: list[tuple[Canvas, list[int]]] = []
@@ -210,14 +226,13 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
         return torch.cat((p, p[:, -1:] + step), dim=1)  # RoPE positions keep increasing in padding
 
     with torch.inference_mode(False), torch.no_grad():
-        past_kv = past_mask = None
+        past_kv = past_mask = context_rows = None
         if latest.past_kv is not None:
-            source = [row_of[c.request_ids[i]] for c, keep in parts[:-1] for i in keep]
-            index = torch.tensor(source + list(range(latest.batch_size)), device=device)
-            if latest.batch_size == 1:  # one request: its K/V once, read by every row through its mask
-                past_kv = list(latest.past_kv)
-            else:
-                past_kv = [(k.index_select(0, index), v.index_select(0, index)) for k, v in latest.past_kv]
+            source = [row_of[c.request_ids[i]] for c, keep in parts[:-1] for i in keep] + list(range(latest.batch_size))
+            index = torch.tensor(source, device=device)
+            past_kv = list(latest.past_kv)  # one entry per request, read through context_rows (not copied)
+            if latest.past_kv[0][0].shape[0] != 1:
+                context_rows = source if latest.context_rows is None else [latest.context_rows[r] for r in source]
             span = latest.past_kv[0][0].shape[2]
             mask = (
                 latest.past_mask
@@ -243,6 +258,7 @@ def stack_rounds(earlier: Sequence[Canvas], latest: Canvas) -> Canvas:
             slots=None if latest.slots is None else torch.cat([rows(c, k, c.slots) for c, k in parts]),
             round_index=latest.round_index,
             teacher_ids=latest.teacher_ids,
+            context_rows=context_rows,
         )
     stacked.validate()
     return stacked

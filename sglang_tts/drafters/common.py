@@ -233,18 +233,63 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+@dataclass(frozen=True)
+class RowGroups:
+    """Which query rows read which entry of a segment that holds one entry per request
+    ([R, H_kv, L, D]: the context K/V of an update window's rows at several requests,
+    core/canvas.py stack_rounds), so that each entry is read once by its rows together instead of
+    being copied to every row. Built on the host from host ints (`of`); no device read."""
+
+    entries: tuple[int, ...]  # the entries read, ascending
+    sizes: tuple[int, ...]  # how many rows read each of them
+    order: torch.Tensor | None  # [B] int64: the rows, grouped by entry (None: already grouped)
+    inverse: torch.Tensor | None  # [B] int64: where each row lies in `order` (None with `order`)
+
+    @classmethod
+    def of(cls, entry_of_row: Sequence[int], device: torch.device | str) -> RowGroups:
+        """`entry_of_row[i]`: the entry row i reads."""
+        by_entry: dict[int, list[int]] = {}
+        for row, entry in enumerate(entry_of_row):
+            by_entry.setdefault(int(entry), []).append(row)
+        entries = tuple(sorted(by_entry))
+        order = [row for entry in entries for row in by_entry[entry]]
+        if order == list(range(len(order))):
+            return cls(entries, tuple(len(by_entry[e]) for e in entries), None, None)
+        inverse = [0] * len(order)
+        for at, row in enumerate(order):
+            inverse[row] = at
+        order_t, inverse_t = (torch.tensor(x, dtype=torch.long).to(device, non_blocking=True) for x in (order, inverse))
+        return cls(entries, tuple(len(by_entry[e]) for e in entries), order_t, inverse_t)
+
+    def matmul(self, x: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+        """x [B, H, M, N] @ segment[entry of each row] ([R, H, N, P]) -> [B, H, M, P]: each entry
+        multiplied once with its rows folded together (`_rows_matmul` of a batch-1 segment)."""
+        if self.order is None and len(self.entries) == x.shape[0] and self.entries[-1] == x.shape[0] - 1:
+            return torch.matmul(x, segment[: x.shape[0]])  # row i reads entry i: one batched product
+        grouped = x if self.order is None else x.index_select(0, self.order)
+        parts = [
+            _rows_matmul(rows, segment[entry : entry + 1])
+            for entry, rows in zip(self.entries, grouped.split(list(self.sizes)))
+        ]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return out if self.inverse is None else out.index_select(0, self.inverse)
+
+
 def masked_attention(
     q: torch.Tensor,
     k: torch.Tensor | Sequence[torch.Tensor],
     v: torch.Tensor | Sequence[torch.Tensor],
     visible: torch.Tensor,
     scale: float,
+    first_rows: RowGroups | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale) v over the visible keys, with grouped-query KV heads.
 
     q: [B, H_q, T, D]; k, v: [B, H_kv, S, D], or segments [B, H_kv, S_i, D] that are the keys in
     that order (sum S_i = S); a segment of batch 1 is every row's (one request's context read by
-    the rows of several of its rounds: core/canvas.py stack_rounds); visible: [B, T, S] bool.
+    the rows of several of its rounds: core/canvas.py stack_rounds); with `first_rows`, the first
+    segment holds one entry per request ([R, H_kv, S_0, D], the context of rounds of several
+    requests) and row i reads the entry `first_rows` gives it; visible: [B, T, S] bool.
     Returns [B, T, H_q * D]. Every query row must see at least one key (callers always let a row
     see itself).
 
@@ -253,7 +298,8 @@ def masked_attention(
     G times. Segments are scored one by one and only the [.., T, S] scores are joined for the
     softmax: an update's past K/V (the whole context, thousands of rows) is read, never copied,
     and a detached segment gets no K/V gradient. A shared segment (batch 1) is multiplied once
-    with every row's queries folded together (`_rows_matmul`), never broadcast to B copies.
+    with every row's queries folded together (`_rows_matmul`), never broadcast to B copies, and a
+    segment of one entry per request once per entry with its rows' queries (`RowGroups.matmul`).
     Segments may differ in dtype (a past read from a pool kept in another dtype): each segment's
     probabilities are cast to its values' dtype, never the values, and the output has the last
     segment's dtype (the new rows').
@@ -264,14 +310,17 @@ def masked_attention(
     h_kv = ks[0].shape[1]
     groups = h_q // h_kv
     qf = q.reshape(b, h_kv, groups * t, d).float()  # [B, H_kv, G*T, D]
-    parts = [_rows_matmul(qf, key.float().transpose(-1, -2)) for key in ks]  # [B, H_kv, G*T, S_i]
+    mm = [_rows_matmul] * len(ks)
+    if first_rows is not None:
+        mm[0] = first_rows.matmul
+    parts = [f(qf, key.float().transpose(-1, -2)) for f, key in zip(mm, ks)]  # [B, H_kv, G*T, S_i]
     scores = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)) * scale  # [B, H_kv, G*T, S]
     scores = scores.view(b, h_kv, groups, t, -1).masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, h_kv, groups * t, -1)
     out_dtype = vs[-1].dtype
     out = None
-    for p, value in zip(probs.split([value.shape[2] for value in vs], dim=-1), vs):
-        part = _rows_matmul(p.to(value.dtype), value).to(out_dtype)  # [B, H_kv, G*T, D]
+    for f, p, value in zip(mm, probs.split([value.shape[2] for value in vs], dim=-1), vs):
+        part = f(p.to(value.dtype), value).to(out_dtype)  # [B, H_kv, G*T, D]
         out = part if out is None else out + part
     return out.view(b, h_q, t, d).transpose(1, 2).flatten(2)
 

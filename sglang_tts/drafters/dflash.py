@@ -470,6 +470,8 @@ class DFlashDrafter(nn.Module):
         """Hidden [B, C, H]: canvas position k is block slot k + 1 (module docstring); positions
         k >= block_size - 1 are zero. `canvas.input_ids[:, 1:]` is ignored (MASK is fed)."""
         b, c = canvas.input_ids.shape
+        if canvas.context_rows is not None:
+            raise ValueError("DFlash canvases carry their context per row (context_rows is EAGLE-3 stacking)")
         if canvas.features.dim() != 3 or canvas.features.shape[-1] != self.fc.in_features:
             expected = f"[B, L, {self.fc.in_features}]"
             raise ValueError(f"DFlash canvas.features must be {expected}, got {tuple(canvas.features.shape)}")

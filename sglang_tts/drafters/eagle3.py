@@ -59,6 +59,7 @@ from sglang_tts.drafters.common import (
     RMSNorm,
     RopeSpec,
     Rotary,
+    RowGroups,
     SwiGLUMLP,
     UnsupportedDrafterConfigError,
     check_past,
@@ -189,13 +190,16 @@ class Eagle3Attention(nn.Module):
         rotary: Rotary,
         past: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
+        first_rows: RowGroups | None = None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-        """`past`: this layer's earlier K/V as segments in key order ([B, H_kv, L_i, D] each),
-        attended without joining them; the new rows' keys come last in `visible` [B, T, sum L_i + T]."""
+        """`past`: this layer's earlier K/V as segments in key order ([B, H_kv, L_i, D] each; the first
+        one entry per request, [R, H_kv, L_0, D], read through `first_rows` when given), attended
+        without joining them; the new rows' keys come last in `visible` [B, T, sum L_i + T]."""
         q = rotary(split_heads(self.q_proj(x), self.num_heads, self.head_dim), rope_positions)
         k = rotary(split_heads(self.k_proj(x), self.num_kv_heads, self.head_dim), rope_positions)
         v = split_heads(self.v_proj(x), self.num_kv_heads, self.head_dim)
-        out = masked_attention(q, [pk for pk, _ in past] + [k], [pv for _, pv in past] + [v], visible, self.scale)
+        keys, values = [pk for pk, _ in past] + [k], [pv for _, pv in past] + [v]
+        out = masked_attention(q, keys, values, visible, self.scale, first_rows if past else None)
         return self.o_proj(out), (k, v)
 
 
@@ -222,13 +226,14 @@ class Eagle3Layer(nn.Module):
         rotary: Rotary,
         past: Sequence[tuple[torch.Tensor, torch.Tensor]],
         visible: torch.Tensor,
+        first_rows: RowGroups | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         if self.is_input_layer:
             residual = hidden
             x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
         else:
             x, residual = self.hidden_norm(hidden, residual)
-        attn_out, kv = self.self_attn(x, rope_positions, rotary, past, visible)
+        attn_out, kv = self.self_attn(x, rope_positions, rotary, past, visible, first_rows)
         x, residual = self.post_attention_layernorm(attn_out, residual)
         return self.mlp(x), residual, kv
 
@@ -378,10 +383,12 @@ class Eagle3Drafter(nn.Module):
         past: list[KVCache],
         past_mask: torch.Tensor | None,
         row_mask: torch.Tensor | None = None,
+        first_rows: RowGroups | None = None,
     ) -> Eagle3Output:
         """T rows [B, T, H] through all layers. Rows see the valid past (`past`: caches in key
-        order, `past_mask` [B, sum L_i] over all of them) and earlier valid rows (causal in row
-        order) and always themselves."""
+        order, `past_mask` [B, sum L_i] over all of them; the first cache one entry per request,
+        read through `first_rows`, when given) and earlier valid rows (causal in row order) and
+        always themselves."""
         b, t, _ = embeds.shape
         device = embeds.device
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=device))
@@ -390,7 +397,7 @@ class Eagle3Drafter(nn.Module):
         visible = (causal[None] & row_mask[:, None, :]) | torch.eye(t, dtype=torch.bool, device=device)[None]
         if past:
             visible = torch.cat((past_mask[:, None, :].expand(b, t, -1), visible), dim=-1)
-        return self._forward_layers(embeds, hidden, rope_positions, past, visible)
+        return self._forward_layers(embeds, hidden, rope_positions, past, visible, first_rows)
 
     def _forward_layers(
         self,
@@ -399,6 +406,7 @@ class Eagle3Drafter(nn.Module):
         rope_positions: torch.Tensor,
         past: list[KVCache],
         visible: torch.Tensor,
+        first_rows: RowGroups | None = None,
     ) -> Eagle3Output:
         """T rows through all layers; `past` holds earlier K/V as caches in key order, never joined
         (an update's context and each unrolled step's own K/V); `visible` [B, T, L_past + T] says
@@ -407,7 +415,9 @@ class Eagle3Drafter(nn.Module):
         new_kv: KVCache = []
         for i, layer in enumerate(self.layers):
             layer_past = [cache[i] for cache in past]
-            hidden, residual, kv = layer(embeds, hidden, residual, rope_positions, self.rotary, layer_past, visible)
+            hidden, residual, kv = layer(
+                embeds, hidden, residual, rope_positions, self.rotary, layer_past, visible, first_rows
+            )
             new_kv.append(kv)
         normed, summed = self.norm(hidden, residual)
         return Eagle3Output(hidden=normed, aux=normed if self.cfg.norm_output else summed, kv=new_kv)
@@ -583,7 +593,8 @@ class Eagle3Drafter(nn.Module):
         verifies 4 positions, about 2 of them valid one at a time on the testbed). Step k runs only the
         rows with a valid position at k or later (`_rows_by_need`); every computed position is what the
         full unroll gives. Not trimmed: rows with per-request adapter slots (their hooks read one slot
-        per canvas row) and per-row context K/V (a gather of the context would cost what it saves).
+        per canvas row). A context of one entry per request (`canvas.context_rows`, stack_rounds at
+        several requests) is read by each request's rows together (`RowGroups`), never gathered per row.
         """
         b, c = canvas.input_ids.shape
         if canvas.features.shape != (b, self.fc.in_features):
@@ -593,16 +604,20 @@ class Eagle3Drafter(nn.Module):
         # The context K/V and each step's own K/V stay separate segments: the context (thousands of
         # rows per canvas row) is read by every step, never copied, and gets no K/V gradient.
         context: list[KVCache] = [] if canvas.past_kv is None else [detach_kv(canvas.past_kv)]
+        entries = canvas.context_entries()  # the context entry each row reads (None: one shared, or none)
         input_ids, positions, features = canvas.input_ids, canvas.positions, canvas.features
         order, alive = self._rows_by_need(canvas)
         if order is not None:
-            input_ids, positions, features = (t.index_select(0, order) for t in (input_ids, positions, features))
-            cache_mask = None if cache_mask is None else cache_mask.index_select(0, order)
+            index = torch.tensor(order, dtype=torch.long).to(input_ids.device, non_blocking=True)
+            input_ids, positions, features = (t.index_select(0, index) for t in (input_ids, positions, features))
+            cache_mask = None if cache_mask is None else cache_mask.index_select(0, index)
+            entries = None if entries is None else [entries[i] for i in order]
         embeds = self.embed(input_ids)
         rope_positions = positions - 1
         hidden = self.project_features(features)[:, None]
         own: list[KVCache] = []  # each step's K/V, rows in step order (alive rows come first)
         outputs = []
+        groups: RowGroups | None = None
         for k in range(c):
             n = alive[k]
             if n == 0:
@@ -611,8 +626,10 @@ class Eagle3Drafter(nn.Module):
                 hidden = hidden[:n]
                 own = [[(key[:n], value[:n]) for key, value in kv] for kv in own]
                 cache_mask = None if cache_mask is None else cache_mask[:n]
+            if entries is not None and (groups is None or n != sum(groups.sizes)):
+                groups = RowGroups.of(entries[:n], embeds.device)
             step = self._run_rows(
-                embeds[:n, k : k + 1], hidden, rope_positions[:n, k : k + 1], [*context, *own], cache_mask
+                embeds[:n, k : k + 1], hidden, rope_positions[:n, k : k + 1], [*context, *own], cache_mask, None, groups
             )
             outputs.append(F.pad(step.hidden, (0, 0, 0, 0, 0, b - n)) if n < b else step.hidden)
             hidden = step.aux
@@ -623,23 +640,25 @@ class Eagle3Drafter(nn.Module):
         if out.shape[1] < c:
             out = F.pad(out, (0, 0, 0, c - out.shape[1]))
         if order is not None:
-            out = out.index_select(0, torch.argsort(order))
+            back = [0] * b
+            for at, row in enumerate(order):
+                back[row] = at
+            out = out.index_select(0, torch.tensor(back, dtype=torch.long).to(out.device, non_blocking=True))
         return out
 
-    def _rows_by_need(self, canvas: Canvas) -> tuple[torch.Tensor | None, list[int]]:
+    def _rows_by_need(self, canvas: Canvas) -> tuple[list[int] | None, list[int]]:
         """Rows sorted by how many canvas positions they need (their last valid position + 1), most
-        first, and how many rows step k runs: (order [B] or None when nothing is trimmed, [C] counts).
-        One host read of C counts, on the update's thread (the loss reads its mask count there too)."""
+        first, and how many rows step k runs: (order, host ints, or None when nothing is trimmed; [C]
+        counts). One host read of B counts, on the update's thread (the loss reads its mask there too)."""
         b, c = canvas.input_ids.shape
-        per_row_context = canvas.past_kv is not None and canvas.past_kv[0][0].shape[0] != 1
-        if canvas.slots is not None or per_row_context or b == 1:
+        if canvas.slots is not None or b == 1:
             return None, [b] * c
         valid = canvas.valid.to(canvas.input_ids.device)
-        need = (valid * torch.arange(1, c + 1, device=valid.device)).amax(dim=1)  # [B]
-        alive = (need[None, :] > torch.arange(c, device=valid.device)[:, None]).sum(dim=1).tolist()
+        need = (valid * torch.arange(1, c + 1, device=valid.device)).amax(dim=1).tolist()  # [B]
+        alive = [sum(n > k for n in need) for k in range(c)]
         if alive[-1] == b:
             return None, alive
-        return torch.argsort(need, descending=True, stable=True), alive
+        return sorted(range(b), key=lambda row: -need[row]), alive
 
     def lm_head_weight(self) -> torch.Tensor:
         if self.lm_head is not None:

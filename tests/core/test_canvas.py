@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from core_testing import random_canvas
 
@@ -38,7 +39,10 @@ def test_earlier_rows_read_their_requests_kv_up_to_their_own_round(generator):
     torch.testing.assert_close(out.features, torch.cat((early.features[[0, 2]], latest.features)))
     assert out.slots.tolist() == [1, 0, 0, 1]
     k, v = out.past_kv[0]
-    assert k[:, 0, 0, 0].tolist() == [2.0, 1.0, 1.0, 2.0] and torch.equal(v, -k)  # each row its request's K/V
+    # The latest's K/V as they are (one entry per request, not a gathered copy per row); each row names its request's.
+    assert k.data_ptr() == latest.past_kv[0][0].data_ptr() and v.data_ptr() == latest.past_kv[0][1].data_ptr()
+    assert out.context_rows == [1, 0, 0, 1] and out.context_entries() == [1, 0, 0, 1]
+    assert k[out.context_rows, 0, 0, 0].tolist() == [2.0, 1.0, 1.0, 2.0]
     # Earlier rows see what their round saw: the first anchor - 1 entries (b: 4, a: 7); latest rows as given.
     assert out.past_mask.sum(1).tolist() == [4, 7, 12, 10]
     assert out.past_mask[0, :4].all() and out.past_mask[1, :7].all()
@@ -66,7 +70,18 @@ def test_rounds_of_one_request_read_its_one_kv_copy_through_their_masks(generato
     out = stack_rounds(earlier, latest)
     assert out.batch_size == 3 and out.request_ids == ["a"] * 3
     k, v = out.past_kv[0]
+    assert out.context_rows is None and out.context_entries() is None  # every row reads the one entry
     assert k.shape == (1, 2, 12, 3) and k.data_ptr() == latest.past_kv[0][0].data_ptr()
     assert v.data_ptr() == latest.past_kv[0][1].data_ptr()
     assert out.past_mask.sum(1).tolist() == [4, 7, 11]
     assert out.past_mask[0, :4].all() and out.past_mask[1, :7].all()
+
+
+def test_context_rows_must_name_an_entry_for_every_row(generator):
+    latest = _with_kv(random_canvas(generator, batch=2, length=4), 6, [1.0, 2.0])
+    latest.context_rows = [0, 1]
+    latest.validate()
+    for bad in ([0], [0, 2], [-1, 0]):
+        latest.context_rows = bad
+        with pytest.raises(ValueError, match="context_rows"):
+            latest.validate()

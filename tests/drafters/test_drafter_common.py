@@ -5,7 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_tts.drafters.common import RMSNorm, RopeSpec, Rotary, UnsupportedDrafterConfigError, masked_attention
+from sglang_tts.drafters.common import (
+    RMSNorm,
+    RopeSpec,
+    Rotary,
+    RowGroups,
+    UnsupportedDrafterConfigError,
+    masked_attention,
+)
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",
@@ -139,6 +146,33 @@ def test_a_segment_of_batch_one_is_every_rows_context():
     leaves = (q, *new)
     for a, b in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize(
+    "entry_of_row",
+    [[1, 0, 0, 1, 2], [0, 0, 1, 1, 2], [2, 0, 1], [0, 1, 2]],
+    ids=["scattered", "grouped", "as-many-rows-as-entries", "row-i-reads-entry-i"],
+)
+def test_a_segment_of_one_entry_per_request_is_each_rows_requests_context(entry_of_row):
+    # The rows of a window at several requests: the first segment holds one context per request and
+    # each row reads its request's (RowGroups), with the values and gradients of a copy per row.
+    torch.manual_seed(5)
+    b = len(entry_of_row)
+    q = torch.randn(b, 6, 2, 8, requires_grad=True)
+    context = [torch.randn(3, 2, 9, 8) for _ in range(2)]  # three requests', detached
+    new = [torch.randn(b, 2, 2, 8, requires_grad=True) for _ in range(2)]
+    visible = torch.rand(b, 2, 11) < 0.5
+    visible[:, :, -1] = True
+    groups = RowGroups.of(entry_of_row, "cpu")
+    assert sum(groups.sizes) == b and (groups.order is None) == (entry_of_row == sorted(entry_of_row))
+    out = masked_attention(q, [context[0], new[0]], [context[1], new[1]], visible, 8**-0.5, groups)
+    copies = [c[entry_of_row] for c in context]  # [B, H_kv, L, D], what stacking used to gather
+    expected = masked_attention(q, [copies[0], new[0]], [copies[1], new[1]], visible, 8**-0.5)
+    torch.testing.assert_close(out, expected)
+    grad = torch.randn_like(out)
+    leaves = (q, *new)
+    for a, b_ in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(expected, leaves, grad)):
+        torch.testing.assert_close(a, b_)
 
 
 def test_a_segment_in_another_dtype_is_read_as_it_is_and_the_output_keeps_the_new_rows_dtype():

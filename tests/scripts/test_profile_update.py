@@ -101,19 +101,28 @@ def test_profiles_every_phase_and_a_rerun_skips_finished_configurations(script, 
     assert again["runs"][-1]["configurations"] == [] and len(again["runs"]) == 2
 
 
-def test_one_request_canvases_are_rounds_of_one_request_reading_one_kv(script, tiny):
-    """--one-request: the rows of an update window at one request (core/canvas.py stack_rounds):
-    one K/V of batch 1 and each earlier row reading 2 positions fewer than the next."""
+def test_window_canvases_are_rounds_of_their_requests_reading_one_kv_entry_each(script, tiny):
+    """--one-request / --requests: the rows of an update window (core/canvas.py stack_rounds): one K/V
+    entry per request and each earlier row of a request reading 2 positions fewer than the next."""
     from sglang_tts.drafters.loading import load_drafter
     from sglang_tts.training.target import load_target
 
     target_path, eagle3 = tiny
     _, _, target = load_target(target_path)
     base = load_drafter(eagle3, target_embedding=target.embedding.float(), target_config=target.config)
-    canvas = script.eagle3_canvas(base, 4, 4, 16, torch.Generator().manual_seed(0), one_request=True)
+    canvas = script.eagle3_canvas(base, 4, 4, 16, torch.Generator().manual_seed(0), requests=1)
     assert canvas.batch_size == 4 and all(k.shape[0] == 1 == v.shape[0] for k, v in canvas.past_kv)
     assert canvas.past_mask.sum(1).tolist() == [10, 12, 14, 16]
     assert canvas.positions[:, 0].tolist() == [10, 12, 14, 16]
+    assert canvas.context_rows is None
+    with torch.no_grad():
+        assert torch.isfinite(base.canvas_logits(canvas)).all()
+    assert script.parse_args(["--one-request"]).requests == 1 and script.parse_args([]).requests == 0
+    # --requests 2: rows 0, 2, 4 are request 0's rounds, 1, 3, 5 request 1's; one K/V entry per request.
+    canvas = script.eagle3_canvas(base, 6, 4, 16, torch.Generator().manual_seed(0), requests=2)
+    assert all(k.shape[0] == 2 == v.shape[0] for k, v in canvas.past_kv)
+    assert canvas.context_rows == [0, 1, 0, 1, 0, 1]
+    assert canvas.past_mask.sum(1).tolist() == [12, 12, 14, 14, 16, 16]
     with torch.no_grad():
         assert torch.isfinite(base.canvas_logits(canvas)).all()
 
