@@ -584,6 +584,15 @@ def _call(base_url: str, path: str, body: dict | None = None, timeout: float = 1
         return e.code, e.read().decode()
 
 
+def _update_when_idle(base_url: str, body: dict) -> tuple[int, str]:
+    """`/update_weights_from_disk` between requests, as a trainer's step does it: `/flush_cache?timeout=30`
+    first, which waits until SGLang's scheduler has let go of the last finished batch (a call that lands
+    before it does is answered 400: weights applied, cache not flushed; a race of SGLang's, not TTS's)."""
+    status, text = _call(base_url, "/flush_cache?timeout=30", {})
+    assert status == 200, text
+    return _call(base_url, "/update_weights_from_disk", body)
+
+
 def _serialized(state: dict[str, torch.Tensor]) -> str:
     """SGLang's tensor payload (MultiprocessingSerializer, base64), readable by the server process:
     storages shared by file name (the default, file descriptors, needs a process SGLang started)."""
@@ -671,7 +680,7 @@ def eagle3_run(loopy_llama, loopy_eagle3, new_target, reference):
         url = server.base_url
         out["launch_checksums"] = _draft_checksums(url)
         out["before"] = [_run(server, p) for p in PROMPTS]
-        out["disk"] = _call(url, "/update_weights_from_disk", {"model_path": str(new_target)})
+        out["disk"] = _update_when_idle(url, {"model_path": str(new_target)})
         out["healthy_after_disk"] = server.healthy()
         out["after"] = [_run(server, p) for p in PROMPTS]
 
@@ -870,7 +879,7 @@ def test_dflash_server_takes_target_and_drafter_updates_and_keeps_adapting(
     with sglang_server(str(loopy_llama), args, env={CHECK_ENV: "1"}) as server:
         launch = _draft_checksums(server.base_url)
         before = _run(server, PROMPTS[0])
-        status, body = _call(server.base_url, "/update_weights_from_disk", {"model_path": str(new_target)})
+        status, body = _update_when_idle(server.base_url, {"model_path": str(new_target)})
         assert server.healthy()
         after = [_run(server, p) for p in PROMPTS]
         # A retrained DFlash drafter, then the launched one shipped back.
