@@ -182,6 +182,11 @@ class TTSConfig:
     # What the drafter trains on: "all" verified rounds (the target teaches whoever proposed), or only
     # the "drafter"'s own rounds (the spans the suffix proposer drafts are left out).
     hybrid_train: Literal["all", "drafter"] = "all"
+    # Retire a request's drafter (suffix chains only for the rest of the request; no drafter steps,
+    # draft-extend or canvases for it) once it has drafted `hybrid_retire_after` of its rounds at fewer
+    # than `hybrid_retire_below` accepted tokens per round (0: never).
+    hybrid_retire_below: float = 0.0
+    hybrid_retire_after: int = 32
 
     def validate(self) -> TTSConfig:
         self._check_finite()
@@ -273,6 +278,11 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
         if self.hybrid_train not in ("all", "drafter"):
             raise TTSConfigError(f"--tts-hybrid-train must be all|drafter, got {self.hybrid_train!r}")
+        if not (0.0 <= self.hybrid_retire_below):
+            raise TTSConfigError(f"--tts-hybrid-retire-below must be >= 0, got {self.hybrid_retire_below!r}")
+        after = self.hybrid_retire_after
+        if not isinstance(after, int) or isinstance(after, bool) or after < 1:
+            raise TTSConfigError(f"--tts-hybrid-retire-after must be an integer >= 1, got {after!r}")
         return self
 
     @property

@@ -25,6 +25,15 @@ per round are 1 + expected accepted (the bonus token); seconds per round are the
 latest rounds of each kind at this batch size and chain length. A request kept off the drafter this
 way gives the drafter a round after `explore` such rounds, so its expectation stays current.
 
+Retirement (`HybridRule.retire_below` > 0): a request whose drafter, after `retire_after` of its
+rounds, has accepted fewer than `retire_below` drafted tokens per round on average is retired: for
+the rest of the request it verifies its suffix chain every round, however short (0-padded), in
+every mode. A retired request never drafts again, so the engine adapter may stop keeping the
+drafter's state for it (its draft-extend, its canvases): a round whose batch is all retired costs
+the target's verify and the suffix lookup only, as SGLang's NGRAM does. Where the drafter accepts
+about nothing (0.2 tokens a round on the testbed's long generations) its steps, its extend after
+every verify and TTS's updates cost more than they bring.
+
 Three modes, per round (the RL controller's proposer action picks one per window; without a
 controller the mode is HYBRID):
 - HYBRID: the rule above;
@@ -68,6 +77,8 @@ class HybridRule:
     decay: float = 0.5  # weight of the newest round in the moving averages
     cost: bool = False  # weigh the round costs (RoundCosts): a whole-batch suffix round skips the drafter
     explore: int = 16  # cost rule: a request kept off the drafter this many rounds gives it one
+    retire_below: float = 0.0  # retire a request's drafter below this many accepted tokens per round (0: never)
+    retire_after: int = 32  # ... judged once it has drafted this many of the request's rounds
 
     def __post_init__(self) -> None:
         if self.min_match <= 0 or self.min_match > self.steps:
@@ -117,6 +128,7 @@ class _Request:
     accepted: dict[str, int] = field(default_factory=lambda: {p: 0 for p in PROPOSERS})
     scored: bool = True  # a SUFFIX round teaches the suffix expectation (False: a chain it was not offered)
     off_drafter: int = 0  # rounds the cost rule kept this request off the drafter in a row
+    retired: bool = False  # the drafter is done with this request: suffix chains only (module docstring)
 
 
 class HybridChooser:
@@ -164,6 +176,9 @@ class HybridChooser:
         offered = len(suffix_chain) >= need
         state.proposal = tuple(suffix_chain) if offered else ()
         state.committed_at = len(committed)
+        if state.retired:
+            state.choice, state.scored = SUFFIX, offered  # a shorter chain than the rule's: counted, not learned
+            return True
         if mode == HYBRID:
             take = offered and state.expected[SUFFIX] >= state.expected[DRAFTER] - self.rule.margin
         else:
@@ -224,7 +239,14 @@ class HybridChooser:
             self._learn(state, proposer, num_accepted)
         if proposer == SUFFIX:
             state.proposal = ()  # learned from the exact count: not again from the commits
+        elif self.rule.retire_below > 0 and state.rounds[DRAFTER] >= self.rule.retire_after:
+            state.retired = state.retired or state.accepted[DRAFTER] < self.rule.retire_below * state.rounds[DRAFTER]
         return proposer
+
+    def retired(self, rid: str) -> bool:
+        """Is `rid`'s drafter retired (suffix chains only for the rest of the request)?"""
+        state = self.requests.get(rid)
+        return state is not None and state.retired
 
     def expected(self, rid: str) -> float:
         """The suffix proposer's expected accepted tokens on `rid` (the prior for a new request)."""

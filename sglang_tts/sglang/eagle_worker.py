@@ -88,7 +88,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
             self.tts.start_prompt_updates(batch.reqs)  # absorbs its own failures
             if self.tts_hybrid is not None:
                 with failures.absorb("hybrid", rids):  # on failure: the drafter drafts this round
-                    self.tts_hybrid.install(self.draft_worker)  # the draft graph runner exists by now
+                    # the draft graph runner exists by now
+                    self.tts_hybrid.install(self.draft_worker, self._stub_skipped_draft_extend)
                     self.tts_hybrid.plan_round(batch.reqs, self.speculative_num_steps)
             if control is not None:
                 self._tts_round_seconds += time.perf_counter() - tic
@@ -164,19 +165,27 @@ class TTSEagleWorker(EAGLEWorkerV2):
         control = self.tts_controller
         steps = max(control.candidate_steps) if control is not None else self.speculative_num_steps
         rule = HybridRule(
-            steps, min_match=config.hybrid_min_match, margin=config.hybrid_margin, cost=config.hybrid_cost
+            steps,
+            min_match=config.hybrid_min_match,
+            margin=config.hybrid_margin,
+            cost=config.hybrid_cost,
+            retire_below=config.hybrid_retire_below,
+            retire_after=config.hybrid_retire_after,
         )
         hybrid = HybridDrafting(steps, rule, self.device)
-        hybrid.install(self.draft_worker)
+        hybrid.install(self.draft_worker, self._stub_skipped_draft_extend)
         self.tts.hybrid = hybrid
         logger.info(
             "sglang-tts: hybrid drafting on (suffix chains of %d tokens from SGLang's NGRAM corpus; min match %d, "
-            "margin %g, round costs %s, training on %s rounds)",
+            "margin %g, round costs %s, training on %s rounds, %s)",
             steps,
             rule.min_match,
             rule.margin,
             "weighed" if rule.cost else "ignored",
             config.hybrid_train,
+            f"drafter retired below {rule.retire_below:g} accepted tokens per round after {rule.retire_after} rounds"
+            if rule.retire_below > 0
+            else "drafter never retired",
         )
         return hybrid
 
@@ -311,8 +320,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
             [max(n - 1, 0) for n in seq_lens],
         )
 
-    def _kept_canvas(self, verify_input, result, seq_lens: torch.Tensor, rids: list[str], suffix: list[bool]):
-        """--tts-update-window: this round's canvas, kept until the stride's update (capture.py)."""
+    def _kept_canvas(self, verify_input, result, seq_lens: torch.Tensor, rids: list[str], skip: list[bool]):
+        """--tts-update-window: this round's canvas, kept until the stride's update (capture.py);
+        `skip`: per request, left out (a suffix row with --tts-hybrid-train drafter, a retired drafter)."""
         return build_kept_canvas(
             request_ids=rids,
             accept_index=result.accept_index,
@@ -321,7 +331,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             target_logits=result.logits_output.next_token_logits,
             seq_lens=seq_lens,
             anchor_features=[self.tts.anchor_features.get(rid) for rid in rids],
-            skip=suffix if self.tts.config.hybrid_train == "drafter" else None,
+            skip=skip,
             full_chain=self.topk == 1 and self.tts.config.canvas == "full",
             round_index=self.tts.distiller.stats.rounds,
             device=self.tts.distiller.device,
@@ -341,10 +351,17 @@ class TTSEagleWorker(EAGLEWorkerV2):
         the stride's update keeps (--tts-update-window); None otherwise."""
         n = self.speculative_num_draft_tokens
         rids = [req.rid for req in batch.reqs]
+        hybrid = self.tts_hybrid
+        # --tts-hybrid: requests whose drafter is retired are left out (their drafter K/V has gaps).
+        retired = [hybrid is not None and hybrid.retired(r) for r in range(len(rids))]
+        if all(retired):
+            self.tts.observe(None)  # the round counts; nothing to learn, no anchor to keep
+            return
         if capture or kept_seq_lens is not None:
             # --tts-hybrid: rows of the suffix proposer's chains (not the drafter's prediction)
-            hybrid = self.tts_hybrid
             suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
+            skip = [s if self.tts.config.hybrid_train == "drafter" else False for s in suffix]
+            skip = [s or t for s, t in zip(skip, retired)]
         if capture:
             accept_lens = result.accept_lens.tolist()  # update (and check) rounds only
             common = dict(
@@ -361,13 +378,12 @@ class TTSEagleWorker(EAGLEWorkerV2):
             canvas = check_canvas = None
             if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
-                if self.tts.config.hybrid_train == "drafter":
-                    rows = [[] if s else r for r, s in zip(rows, suffix)]
+                rows = [[] if s else r for r, s in zip(rows, skip)]
                 canvas = build_canvas(
                     rows=rows, buffers=self.tts.capture_buffers(), teacher=self.tts.teacher_vocab, **common
                 )
             elif kept_seq_lens is not None:
-                canvas = self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix)
+                canvas = self._kept_canvas(verify_input, result, kept_seq_lens, rids, skip)
             if self.tts.check_fallback and self.topk == 1:
                 # The check re-predicts every drafted token, so it needs the whole chain (the drafter's only).
                 rows = path_rows(1, n, accept_lens, result.accept_index, "full")
@@ -375,7 +391,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 check_canvas = build_canvas(rows=rows, **common)
             self.tts.observe(canvas, check_canvas, owned=True)
         elif kept_seq_lens is not None:  # a round the stride's update keeps: gathered without a host read
-            self.tts.observe(self._kept_canvas(verify_input, result, kept_seq_lens, rids, suffix), owned=True)
+            self.tts.observe(self._kept_canvas(verify_input, result, kept_seq_lens, rids, skip), owned=True)
         else:
             self.tts.observe(None)
 

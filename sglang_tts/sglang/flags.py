@@ -232,6 +232,14 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "hybrid_train",
         {"choices": ["all", "drafter"], "help": "Train on every round, or only on the drafter's rounds."},
     ),
+    "--tts-hybrid-retire-below": (
+        "hybrid_retire_below",
+        {"type": float, "help": "Retire a request's drafter below this many accepted tokens per round (0: never)."},
+    ),
+    "--tts-hybrid-retire-after": (
+        "hybrid_retire_after",
+        {"type": int, "help": "... judged once the drafter has drafted this many of the request's rounds."},
+    ),
     "--tts-controller-learn": ("controller_learn", {"nargs": 0, "help": "Keep training the controller online."}),
     "--tts-controller-trace": ("controller_trace", {"type": str, "help": "Write controller records (JSONL)."}),
 }

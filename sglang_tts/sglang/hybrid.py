@@ -4,7 +4,15 @@ Per decode round (`plan`, before the draft): each request's context goes to the 
 (sglang/suffix.py), and the rule (core/hybrid.py) picks the chain to verify. The draft itself is
 SGLang's: `draft_forward` (eager) and the draft CUDA graph's `execute` are wrapped so that
 - when every request of the batch takes its suffix chain, the drafter's steps do not run at all
-  (the draft-extend after verify still runs: it keeps the drafter's KV cache whole);
+  (the draft-extend after verify still runs: it keeps the drafter's KV cache whole for the next
+  round the drafter drafts);
+- when every request of the batch is retired (core/hybrid.py: its drafter never drafts for it
+  again), the draft-extend after verify does not run either: SGLang's own stub for a skipped
+  extend (`_stub_skipped_draft_extend`, its zero-step path) fills the next draft input's shapes.
+  A retired request's drafter K/V is then left with gaps, which nothing uses: its chain is the
+  suffix proposer's (where the drafter drafts for others in its batch, its row is replaced), and
+  TTS's canvases leave retired requests out. In a batch that mixes retired and drafting requests
+  the extend runs for all;
 - otherwise the drafter drafts and the chosen requests' rows are replaced, one device `where`.
 Either way the verify input is SGLang's chain of the same shape (topk 1, `steps` drafted tokens):
 the verify, its CUDA graph and the acceptance rule are untouched. Greedy output is the target's
@@ -32,7 +40,7 @@ import os
 import time
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +61,11 @@ class RoundPlan:
     use_suffix: list[bool]  # per request of the batch
     tokens: torch.Tensor | None  # [bs, steps] suffix chains (0-padded), on the device; None: none taken
     mask: torch.Tensor | None  # [bs, 1] bool, on the device
+    retired: list[bool] = field(default_factory=list)  # per request: its drafter is retired (suffix only)
+
+    @property
+    def all_retired(self) -> bool:
+        return bool(self.retired) and all(self.retired)
 
     @property
     def all_suffix(self) -> bool:
@@ -91,6 +104,8 @@ class HybridDrafting:
         self._prompted: set[str] = set()  # requests whose prompt is in the trie (live ones only)
         self.split = os.environ.get(SPLIT_ENV, "0") == "1"
         self.skipped_drafts = 0  # rounds whose drafter steps did not run (every request took its suffix)
+        self.skipped_extends = 0  # rounds whose draft-extend did not run (every request retired)
+        self.retirements = 0  # requests whose drafter was retired (core/hybrid.py), since start
         self.mode = HYBRID  # MODES; the controller's proposer action sets it
         self.last_offer: RoundOffer | None = None  # the latest decode round's
         self.costs = RoundCosts()
@@ -154,14 +169,25 @@ class HybridDrafting:
             rows = [(chain + pad)[:steps] if u else pad for chain, u in zip(chains, use)]
             tokens = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
             mask = torch.tensor(use, dtype=torch.bool).view(-1, 1).to(self.device, non_blocking=True)
-        self.plan = RoundPlan(rids, use, tokens, mask)
+        retired = [self.chooser.retired(rid) for rid in rids]
+        self.plan = RoundPlan(rids, use, tokens, mask, retired)
         return self.plan
 
     def round_done(self) -> None:
         self.plan = None
 
     def accepted(self, rid: str, num_accepted: int) -> str | None:
-        return self.chooser.accepted(rid, num_accepted)
+        was = self.chooser.retired(rid)
+        proposer = self.chooser.accepted(rid, num_accepted)
+        if not was and self.chooser.retired(rid):
+            self.retirements += 1
+            logger.info("sglang-tts: hybrid retired the drafter for request %s (suffix chains only)", rid)
+        return proposer
+
+    def retired(self, index: int) -> bool:
+        """Is the drafter retired for request `index` of the round in flight?"""
+        plan = self.plan
+        return plan is not None and bool(plan.retired) and plan.retired[index]
 
     def forget(self, rids: Sequence[str]) -> None:
         for rid in rids:
@@ -171,11 +197,16 @@ class HybridDrafting:
 
     # --- the draft -----------------------------------------------------------------------------
 
-    def install(self, draft_worker) -> None:
+    def install(self, draft_worker, stub_extend: Callable | None = None) -> None:
         """Wrap SGLang's draft step(s): `draft_forward` (eager) and, once it exists, the draft CUDA
-        graph runner's `execute` (created after the worker, at CUDA graph capture). Idempotent."""
+        graph runner's `execute` (created after the worker, at CUDA graph capture); and, given
+        `stub_extend(batch, batch_output)` (SGLang's `_stub_skipped_draft_extend`), the draft-extend
+        after verify, skipped for a batch whose requests are all retired. Idempotent."""
         if not getattr(draft_worker.draft_forward, "_tts_hybrid", False):
             draft_worker.draft_forward = self._wrap(draft_worker.draft_forward, draft_worker)
+        extend = draft_worker._draft_extend_for_decode
+        if stub_extend is not None and not getattr(extend, "_tts_hybrid", False):
+            draft_worker._draft_extend_for_decode = self._wrap_extend(extend, stub_extend)
         runner = getattr(draft_worker, "cuda_graph_runner", None)
         if runner is not None and not getattr(runner.execute, "_tts_hybrid", False):
             runner.execute = self._wrap(runner.execute, draft_worker)
@@ -206,6 +237,20 @@ class HybridDrafting:
 
         hybrid_run._tts_hybrid = True
         return hybrid_run
+
+    def _wrap_extend(self, extend: Callable, stub_extend: Callable) -> Callable:
+        """SGLang's `_draft_extend_for_decode(batch, batch_result, ...)`, or its stub when every
+        request of the round is retired (the same batch the plan was made for)."""
+
+        def hybrid_extend(batch, batch_result, *args, **kwargs):
+            plan = self.plan
+            if plan is None or not plan.all_retired or len(plan.retired) != len(batch.reqs):
+                return extend(batch, batch_result, *args, **kwargs)
+            self.skipped_extends += 1
+            return stub_extend(batch, batch_result)
+
+        hybrid_extend._tts_hybrid = True
+        return hybrid_extend
 
     def proposer_of(self, index: int) -> str:
         plan = self.plan

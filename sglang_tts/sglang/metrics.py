@@ -53,7 +53,14 @@ SCALAR_KEYS = (
     "tts_update_share",
 )
 # Hybrid drafting only (--tts-hybrid): per proposer, the rounds it drafted and the drafted tokens accepted.
-HYBRID_KEYS = ("tts_suffix_rounds", "tts_suffix_accepted", "tts_drafter_rounds", "tts_drafter_accepted")
+# tts_drafter_retired: 1 once the request's drafter was retired (--tts-hybrid-retire-below).
+HYBRID_KEYS = (
+    "tts_suffix_rounds",
+    "tts_suffix_accepted",
+    "tts_drafter_rounds",
+    "tts_drafter_accepted",
+    "tts_drafter_retired",
+)
 ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
 # audits: proves that weights changed during a request and were reset to base bitwise after it).
@@ -141,6 +148,7 @@ def write_request_info(
         for proposer in ("suffix", "drafter"):
             snapshot[f"tts_{proposer}_rounds"] = counters.proposer_rounds[proposer]
             snapshot[f"tts_{proposer}_accepted"] = counters.proposer_accepted[proposer]
+        snapshot["tts_drafter_retired"] = counters.drafter_retired
     if digest is not None:
         if counters.digest_start is None:
             counters.digest_start = digest
@@ -326,6 +334,15 @@ class SchedulerMetrics:
             ["kind"],
             multiprocess_mode="mostrecent",
         )
+        self.hybrid_retired = Counter(
+            "sglang_tts:hybrid_retired_requests_total",
+            "Requests whose drafter the hybrid retired (suffix chains only; --tts-hybrid-retire-below)",
+        )
+        self.hybrid_skipped_extends = Counter(
+            "sglang_tts:hybrid_skipped_extends_total",
+            "Decode rounds whose draft-extend did not run: every request of the batch retired (--tts-hybrid)",
+        )
+        self._retired_seen, self._skipped_extends_seen = 0, 0
         self._last_wait_ms = 0.0
 
     def observe_round(self, accept_lengths: dict[str, int]) -> None:
@@ -337,6 +354,14 @@ class SchedulerMetrics:
             if n:
                 self.proposer_rounds.labels(proposer=proposer).inc(n)
                 self.proposer_accepted.labels(proposer=proposer).inc(accepted.get(proposer, 0))
+
+    def observe_retirements(self, retired: int, skipped_extends: int) -> None:
+        """The hybrid's running totals (sglang/hybrid.py): what is new since the last call is counted."""
+        if retired > self._retired_seen:
+            self.hybrid_retired.inc(retired - self._retired_seen)
+        if skipped_extends > self._skipped_extends_seen:
+            self.hybrid_skipped_extends.inc(skipped_extends - self._skipped_extends_seen)
+        self._retired_seen, self._skipped_extends_seen = retired, skipped_extends
 
     def observe_round_costs(self, seconds: dict[str, float | None]) -> None:
         for kind, value in seconds.items():

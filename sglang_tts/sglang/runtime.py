@@ -74,6 +74,7 @@ class RequestCounters:
     # --tts-hybrid: per proposer ("suffix", "drafter"), the rounds it drafted and its accepted drafted tokens
     proposer_rounds: dict[str, int] | None = None
     proposer_accepted: dict[str, int] | None = None
+    drafter_retired: int = 0  # --tts-hybrid-retire-below: 1 once the request's drafter was retired
 
 
 REBOUND = -1  # a drafted version no weight version equals (context_rebound)
@@ -487,6 +488,7 @@ class TTSRuntime:
             accepted[proposer] += n - 1
             c = self.counters(req.rid)
             c.proposer_rounds, c.proposer_accepted = counts
+            c.drafter_retired = int(self.hybrid.chooser.retired(req.rid))
         # The budget values the drafter's gain on the rounds it drafts (core/budget.py).
         self.governor.observe_drafted(rounds["drafter"], rounds["drafter"] + rounds["suffix"])
         if rounds["drafter"]:
@@ -494,6 +496,7 @@ class TTSRuntime:
         if self.metrics is not None:
             self.metrics.observe_proposers(rounds, accepted)
             self.metrics.observe_round_costs(self.hybrid.last_costs)
+            self.metrics.observe_retirements(self.hybrid.retirements, self.hybrid.skipped_extends)
 
     def _digests(self, reqs) -> dict[str, str]:
         """serving_digest() for the requests that asked for it (a debug option: it reads weights)."""

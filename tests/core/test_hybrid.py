@@ -163,3 +163,38 @@ def test_the_cost_rule_weighs_the_whole_batch():
     # At ratio 1.2: 4.8 < 5, b keeps its drafter.
     assert chooser.choose_batch(["a", "b"], [[1, 2, 3], []], [[0], [0]], cost_ratio=1.2) == [True, False]
     assert chooser.choose_batch(["a"], [[1, 2, 3]], [[0]], mode="drafter", cost_ratio=2.0) == [False]
+
+
+def test_a_drafter_that_accepts_too_little_is_retired_for_the_rest_of_the_request():
+    rule = HybridRule(steps=3, retire_below=0.5, retire_after=4)
+    chooser = HybridChooser(rule)
+    for _ in range(3):  # 3 drafter rounds at 0 accepted: not judged yet
+        assert not chooser.choose("weak", [], [1])
+        chooser.accepted("weak", 0)
+    assert not chooser.retired("weak")
+    assert not chooser.choose("weak", [], [1])
+    chooser.accepted("weak", 1)  # 1 token in 4 drafter rounds: 0.25 < 0.5
+    assert chooser.retired("weak")
+    # From now on the suffix chain, however short, in every mode; a short one teaches nothing.
+    prior = dict(chooser.prior)
+    for mode in ("hybrid", "drafter", "suffix"):
+        assert chooser.choose("weak", [7], [1, 5], mode=mode)
+        assert chooser.accepted("weak", 0) == SUFFIX
+    assert chooser.prior == prior and chooser.retired("weak")
+    rounds, _ = chooser.counts("weak")
+    assert rounds == {SUFFIX: 3, DRAFTER: 4}
+    # A drafter that accepts enough is kept; a retired request is forgotten with its state.
+    for _ in range(8):
+        chooser.choose("good", [], [1])
+        chooser.accepted("good", 2)
+    assert not chooser.retired("good")
+    chooser.forget("weak")
+    assert not chooser.retired("weak")
+
+
+def test_retirement_is_off_by_default():
+    chooser = HybridChooser(HybridRule(steps=3))
+    for _ in range(100):
+        chooser.choose("r", [], [1])
+        chooser.accepted("r", 0)
+    assert not chooser.retired("r")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -101,6 +102,47 @@ def test_weighing_round_costs_stays_lossless_and_reports_the_measured_rounds(loo
         if line.startswith(f'sglang_tts:hybrid_round_seconds{{kind="{kind}"}}')
     }
     assert set(seconds) == {"suffix", "drafter"} and all(0 < v < 30 for v in seconds.values())
+
+
+def test_a_retired_drafter_stops_drafting_extending_and_training_and_output_stays_the_targets(
+    loopy_llama, loopy_eagle3
+):
+    """The random drafter accepts under 1 token a round, below a retirement bar of 5: after its 4th
+    round (the rule's priors give a fresh server's request to the drafter first) each request verifies
+    suffix chains only, its draft-extend stops (one request at a time:
+    every round's batch is all retired) and no canvas of it is trained on; two requests at once
+    retire at their own rounds, so some batches mix retired and drafting requests."""
+    retire = ["--tts-hybrid-retire-below", "5", "--tts-hybrid-retire-after", "4"]
+    args = _args(loopy_eagle3, "--tts-hybrid", "on", "--tts-update-stride", "1", *retire, "--enable-metrics")
+    with sglang_server(str(loopy_llama), args) as server:
+        alone = []
+        for prompt in PROMPTS:  # a flush between requests: each starts from the rule's priors
+            alone.append(_run(server, prompt))
+            urllib.request.urlopen(urllib.request.Request(server.base_url + "/flush_cache", method="POST"), timeout=30)
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
+            prom = response.read().decode()
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            together = list(pool.map(lambda p: _run(server, p), PROMPTS))
+    for prompt, a, b in zip(PROMPTS, alone, together):
+        expected = hf_greedy(str(loopy_llama), prompt, NEW_TOKENS)
+        assert a["output_ids"] == expected and b["output_ids"] == expected
+        for meta in (a["meta_info"], b["meta_info"]):
+            assert meta["tts_drafter_retired"] == 1 and meta["tts_failures"] == 0
+            assert meta["tts_drafter_rounds"] == 4  # judged at its 4th round, never drafted again
+            assert meta["tts_suffix_rounds"] + 4 == meta["spec_verify_ct"]
+            assert meta["tts_suffix_rounds"] > 20
+        # Stride 1 trains on every round with a canvas: only the rounds before retirement have one.
+        assert 0 < a["meta_info"]["tts_num_updates"] <= 4
+    assert _prom_value(prom, "sglang_tts:hybrid_retired_requests_total") == len(PROMPTS)
+    skipped = _prom_value(prom, "sglang_tts:hybrid_skipped_extends_total")
+    rounds_retired = sum(out["meta_info"]["tts_suffix_rounds"] for out in alone)
+    assert rounds_retired - len(PROMPTS) <= skipped <= rounds_retired  # every round after the retiring one
+
+
+def _prom_value(prom: str, name: str) -> float:
+    values = [float(line.split()[-1]) for line in prom.splitlines() if line.split(" ")[0] == name]
+    assert values, f"{name} not exported"
+    return sum(values)
 
 
 def test_sampling_in_a_batch_that_mixes_proposers_keeps_the_targets_distribution(loopy_llama, loopy_eagle3):

@@ -281,6 +281,9 @@ class _Chooser:
     def counts(self, rid: str) -> tuple[dict[str, int], dict[str, int]]:
         return {"suffix": 1, "drafter": 0}, {"suffix": 3, "drafter": 0}
 
+    def retired(self, rid: str) -> bool:
+        return False
+
 
 class _Hybrid:
     """Who drafted each request's round (the suffix proposer or the drafter)."""
@@ -288,6 +291,7 @@ class _Hybrid:
     def __init__(self, who: dict[str, str]) -> None:
         self.who, self.chooser = who, _Chooser()
         self.last_costs = {"suffix": 0.058, "drafter": None}  # no drafter round measured at this shape yet
+        self.retirements = self.skipped_extends = 0
 
     def accepted(self, rid: str, num_accepted: int) -> str:
         return self.who[rid]
