@@ -204,9 +204,10 @@ class HybridDrafting:
         after verify, skipped for a batch whose requests are all retired. Idempotent."""
         if not getattr(draft_worker.draft_forward, "_tts_hybrid", False):
             draft_worker.draft_forward = self._wrap(draft_worker.draft_forward, draft_worker)
-        extend = draft_worker._draft_extend_for_decode
-        if stub_extend is not None and not getattr(extend, "_tts_hybrid", False):
-            draft_worker._draft_extend_for_decode = self._wrap_extend(extend, stub_extend)
+        if stub_extend is not None:
+            extend = draft_worker._draft_extend_for_decode
+            if not getattr(extend, "_tts_hybrid", False):
+                draft_worker._draft_extend_for_decode = self._wrap_extend(extend, stub_extend)
         runner = getattr(draft_worker, "cuda_graph_runner", None)
         if runner is not None and not getattr(runner.execute, "_tts_hybrid", False):
             runner.execute = self._wrap(runner.execute, draft_worker)
