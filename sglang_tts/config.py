@@ -278,7 +278,7 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
         if self.hybrid_train not in ("all", "drafter"):
             raise TTSConfigError(f"--tts-hybrid-train must be all|drafter, got {self.hybrid_train!r}")
-        if not (0.0 <= self.hybrid_retire_below):
+        if self.hybrid_retire_below < 0.0:
             raise TTSConfigError(f"--tts-hybrid-retire-below must be >= 0, got {self.hybrid_retire_below!r}")
         after = self.hybrid_retire_after
         if not isinstance(after, int) or isinstance(after, bool) or after < 1:

@@ -360,8 +360,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
         if capture or kept_seq_lens is not None:
             # --tts-hybrid: rows of the suffix proposer's chains (not the drafter's prediction)
             suffix = [hybrid is not None and hybrid.proposer_of(r) == "suffix" for r in range(len(rids))]
-            skip = [s if self.tts.config.hybrid_train == "drafter" else False for s in suffix]
-            skip = [s or t for s, t in zip(skip, retired)]
+            # Left out of the canvases: retired requests, and suffix rows when only the drafter's train.
+            drafter_only = self.tts.config.hybrid_train == "drafter"
+            skip = [(s and drafter_only) or t for s, t in zip(suffix, retired)]
         if capture:
             accept_lens = result.accept_lens.tolist()  # update (and check) rounds only
             common = dict(
