@@ -163,6 +163,13 @@ class Summary:
     prompt_positions: int | None = None  # --tts-prompt-adapt: prompt positions learned, summed over requests
     prompt_ms: float | None = None  # ... run time of those prompt updates, summed per request
     ttft_mean_s: float | None = None  # streamed requests: mean time to first token (client-side)
+    # --tts-hybrid: rounds each proposer drafted and its accepted drafted tokens, summed over requests;
+    # requests whose drafter --tts-hybrid-retire-below retired
+    suffix_rounds: int | None = None
+    suffix_accepted: int | None = None
+    drafter_rounds: int | None = None
+    drafter_accepted: int | None = None
+    retired_requests: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -214,7 +221,17 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         prompt_positions=None if positions is None else int(positions),
         prompt_ms=sum_opt(r.tts_prompt_ms for r in records),
         ttft_mean_s=_mean([r.ttft_s for r in records if r.ttft_s is not None]),
+        suffix_rounds=_sum_int(r.tts_suffix_rounds for r in records),
+        suffix_accepted=_sum_int(r.tts_suffix_accepted for r in records),
+        drafter_rounds=_sum_int(r.tts_drafter_rounds for r in records),
+        drafter_accepted=_sum_int(r.tts_drafter_accepted for r in records),
+        retired_requests=_sum_int(r.tts_drafter_retired for r in records),
     )
+
+
+def _sum_int(values: Iterable[int | None]) -> int | None:
+    total = sum_opt(values)
+    return None if total is None else int(total)
 
 
 def _pct(new: float | None, old: float | None) -> float | None:

@@ -327,6 +327,32 @@ def prompt_ttft_table(aggregates: Aggregates) -> str | None:
     return table(["configuration", "prompt positions learned", "prompt update s per request", "mean TTFT s"], rows)
 
 
+def proposer_table(aggregates: Aggregates) -> str | None:
+    """--tts-hybrid: per configuration and dataset, the rounds each proposer drafted, its accepted drafted
+    tokens per round (bonus excluded) and the requests whose drafter was retired (None: no hybrid ran)."""
+    rows_by = [s for s in aggregates.summaries if s.suffix_rounds is not None]
+    if not rows_by:
+        return None
+
+    def per_round(accepted: int | None, rounds: int | None) -> str:
+        return fmt(accepted / rounds) if accepted is not None and rounds else "-"
+
+    rows = [
+        [
+            s.config,
+            s.dataset,
+            str(s.suffix_rounds),
+            per_round(s.suffix_accepted, s.suffix_rounds),
+            str(s.drafter_rounds or 0),
+            per_round(s.drafter_accepted, s.drafter_rounds),
+            f"{s.retired_requests or 0} of {s.requests}",
+        ]
+        for s in rows_by
+    ]
+    header = ["configuration", "dataset", "suffix rounds", "accepted", "drafter rounds", "accepted", "retired"]
+    return table(header, rows)
+
+
 def losses(aggregates: Aggregates) -> list[str]:
     """Plain sentences for every TTS configuration and dataset where TTS does not beat frozen."""
     out = []
@@ -493,6 +519,9 @@ def _mode_sections(
     prompt = prompt_ttft_table(aggregates)
     if prompt is not None:
         out += [f"{level} Prompt adaptation and time to first token", "", prompt, ""]
+    proposers = proposer_table(aggregates)
+    if proposers is not None:
+        out += [f"{level} Hybrid proposers (accepted: drafted tokens per round, bonus excluded)", "", proposers, ""]
     out += [
         f"{level} Where TTS does not win",
         "",

@@ -156,6 +156,7 @@ class RequestRecord:
     tts_suffix_accepted: int | None = None
     tts_drafter_rounds: int | None = None
     tts_drafter_accepted: int | None = None
+    tts_drafter_retired: int | None = None  # 1 once --tts-hybrid-retire-below retired the request's drafter
     e2e_latency_s: float | None = None  # the server's own measurement
     ttft_s: float | None = None  # streamed requests (--stream): request sent -> first token, client-side
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
@@ -465,6 +466,7 @@ def record_from_response(
         tts_suffix_accepted=_opt(meta, "tts_suffix_accepted", int),
         tts_drafter_rounds=_opt(meta, "tts_drafter_rounds", int),
         tts_drafter_accepted=_opt(meta, "tts_drafter_accepted", int),
+        tts_drafter_retired=_opt(meta, "tts_drafter_retired", int),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
         ttft_s=response.ttft_s,
         output_digest=response.output_digest,

@@ -8,6 +8,7 @@ import math
 import pytest
 from bench_testing import full_configs, full_records, record
 
+from sglang_tts.bench.configs import build_configs
 from sglang_tts.bench.metrics import aggregate, aggregate_by_sampling
 from sglang_tts.bench.report import (
     PLOTS,
@@ -17,6 +18,7 @@ from sglang_tts.bench.report import (
     losses,
     position_table,
     prompt_ttft_table,
+    proposer_table,
     reference_tables,
     repetition_sentence,
     throughput_table,
@@ -100,6 +102,21 @@ def test_prompt_adaptation_and_ttft_are_tabled_only_when_recorded():
     text = prompt_ttft_table(aggregate(frozen + tts, configs, bucket=8))
     assert _row(text, "eagle3:frozen") == ["eagle3:frozen", "0", "-", "1.50"]
     assert _row(text, "eagle3:tts-s1") == ["eagle3:tts-s1", "1024", "3.0", "2.00"]
+
+
+def test_the_hybrids_proposers_are_tabled_per_dataset_with_retirements():
+    assert proposer_table(aggregate(full_records(), full_configs(), bucket=20)) is None  # no hybrid ran
+    configs = build_configs(["ngram", "tts+hybrid"], ["eagle3"], {"eagle3": "/d"})
+    hybrid = dict(tts_suffix_rounds=6, tts_suffix_accepted=3, tts_drafter_rounds=4, tts_drafter_accepted=1)
+    records = [
+        record("ngram", "d", [2] * 10, 1.0),
+        record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, tts_drafter_retired=1, prompt_id="d-0", **hybrid),
+        record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, tts_drafter_retired=0, prompt_id="d-1", **hybrid),
+    ]
+    text = proposer_table(aggregate(records, configs, bucket=8))
+    assert _row(text, "eagle3:tts+hybrid")[1:] == ["d", "12", "0.50", "8", "0.25", "1 of 2"]
+    assert "| eagle3:tts+hybrid | all | 12 | 0.50 | 8 | 0.25 | 1 of 2 |" in text  # and pooled
+    assert "| ngram |" not in text  # only hybrid configurations report proposers
 
 
 def test_write_plots_writes_every_plot_as_png(tmp_path):

@@ -21,6 +21,7 @@ from sglang_tts.bench.configs import (
     parse_variants,
 )
 from sglang_tts.bench.runner import (
+    Response,
     Runner,
     RunnerSettings,
     SamplingSettings,
@@ -348,6 +349,15 @@ def test_openai_request_carries_custom_params_and_reads_meta_info():
     assert record.tts_guard_resets == 1
     assert record.tokens_per_s == pytest.approx(16.0)
     assert record.distinct_ngrams == [1.0, 1.0, 0.2, 0.2]  # 5 four-grams per quarter; the loop has 1 distinct
+
+
+def test_a_record_carries_the_hybrids_proposer_counters_and_retirement():
+    meta = {"completion_tokens": 9, "spec_verify_ct": 5, "tts_suffix_rounds": 3, "tts_suffix_accepted": 2}
+    meta |= {"tts_drafter_rounds": 2, "tts_drafter_accepted": 1, "tts_drafter_retired": 1}
+    record = record_from_response("eagle3:tts+hybrid", BenchPrompt("p0", "d"), 0, Response(meta, 9, 4, "x"), 1.0)
+    assert (record.tts_suffix_rounds, record.tts_drafter_rounds, record.tts_drafter_retired) == (3, 2, 1)
+    plain = record_from_response("ngram", BenchPrompt("p0", "d"), 0, Response({"completion_tokens": 9}, 9, 4, "x"), 1.0)
+    assert plain.tts_drafter_retired is None  # a server without the hybrid sends no such key
 
 
 def test_a_sampling_seed_gives_each_prompt_its_seed_in_both_apis():
