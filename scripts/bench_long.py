@@ -183,6 +183,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--warmup-tokens", type=int, help="unrecorded warm-up request per server (default 32, smoke 8; 0: none)"
     )
     run.add_argument(
+        "--no-warm-prompts",
+        action="store_true",
+        help="at --concurrency > 1, do not prefill each wave's prompts (unrecorded) before its clock starts; "
+        "a wave that repeats a prompt then shares its prefix or not as the requests happen to arrive",
+    )
+    run.add_argument(
         "--request-timeout",
         type=float,
         help="seconds to wait for one request (default: sized for --max-new-tokens at 0.5 tokens/s, at least 3600)",
@@ -332,6 +338,7 @@ def plan_from_args(args: argparse.Namespace, argv: list[str]) -> BenchPlan:
         api=args.api,
         stream=args.stream,
         warmup_tokens=warmup,
+        warm_prompts=not args.no_warm_prompts,
         request_timeout_s=args.request_timeout,
         server_timeout_s=args.server_timeout,
         cpu_defaults=cpu_launch(args.device),

@@ -353,6 +353,19 @@ def proposer_table(aggregates: Aggregates) -> str | None:
     return table(header, rows)
 
 
+def prefill_table(aggregates: Aggregates) -> str | None:
+    """Prompt tokens per configuration and dataset, and how many SGLang's radix cache served (None: no
+    request was served from the cache, so every configuration prefilled the same tokens)."""
+    rows_by = [s for s in aggregates.summaries if s.prompt_tokens is not None]
+    if not any(s.cached_tokens for s in rows_by):
+        return None
+    rows = []
+    for s in rows_by:
+        cached = s.cached_tokens or 0
+        rows.append([s.config, s.dataset, str(s.prompt_tokens), str(cached), str(s.prompt_tokens - cached)])
+    return table(["configuration", "dataset", "prompt tokens", "from the cache", "prefilled"], rows)
+
+
 def losses(aggregates: Aggregates) -> list[str]:
     """Plain sentences for every TTS configuration and dataset where TTS does not beat frozen."""
     out = []
@@ -519,6 +532,10 @@ def _mode_sections(
     prompt = prompt_ttft_table(aggregates)
     if prompt is not None:
         out += [f"{level} Prompt adaptation and time to first token", "", prompt, ""]
+    prefill = prefill_table(aggregates)
+    if prefill is not None:
+        title = f"{level} Prefill (wall times include it; cache hits can differ between configurations)"
+        out += [title, "", prefill, ""]
     proposers = proposer_table(aggregates)
     if proposers is not None:
         out += [f"{level} Hybrid proposers (accepted: drafted tokens per round, bonus excluded)", "", proposers, ""]

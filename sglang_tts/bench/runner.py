@@ -24,6 +24,15 @@ and earlier prompts would feed it. The runner empties it (``/flush_cache``, betw
 is idle) before each of its requests or waves, so such a request drafts from its own text only (its
 prompt's prefix cache goes too: one prefill).
 
+At c > 1 a wave's requests reach SGLang's scheduler in an order no one sets, and where a wave repeats a
+prompt (fewer prompts than ``c``) a copy reads the prompt from the radix cache or prefills it again
+depending on that order: on 3,249-token prompts one configuration's wave prefilled 20-50% more prompt
+tokens than another's over the same requests, seconds of CPU that no drafter caused. So by default
+(``warm_prompts``) each distinct prompt of a wave is prefilled by an unrecorded 1-token request before the
+wave's clock starts: every configuration's wave then finds all its prompts cached, and its wall time is
+the decode's. The warm request puts its prompt (and one token) in the server's NGRAM corpus, as the
+wave's own requests do at once.
+
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
 SGLang's native ``/generate`` instead.
@@ -157,6 +166,7 @@ class RequestRecord:
     tts_drafter_rounds: int | None = None
     tts_drafter_accepted: int | None = None
     tts_drafter_retired: int | None = None  # 1 once --tts-hybrid-retire-below retired the request's drafter
+    cached_tokens: int | None = None  # prompt tokens SGLang's radix cache served (not prefilled)
     e2e_latency_s: float | None = None  # the server's own measurement
     ttft_s: float | None = None  # streamed requests (--stream): request sent -> first token, client-side
     output_digest: str | None = None  # sha256 prefix of the output: equal greedy outputs across configs
@@ -467,6 +477,7 @@ def record_from_response(
         tts_drafter_rounds=_opt(meta, "tts_drafter_rounds", int),
         tts_drafter_accepted=_opt(meta, "tts_drafter_accepted", int),
         tts_drafter_retired=_opt(meta, "tts_drafter_retired", int),
+        cached_tokens=_opt(meta, "cached_tokens", int),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
         ttft_s=response.ttft_s,
         output_digest=response.output_digest,
@@ -507,6 +518,7 @@ class RunnerSettings:
     api: str = "openai"  # "openai" (/v1/chat/completions through the openai client) | "generate"
     stream: bool = False  # api "generate" only: stream responses and record the time to the first token
     warmup_tokens: int = 32  # 0: no warm-up request
+    warm_prompts: bool = True  # c > 1: prefill a wave's prompts before its clock starts (module docstring)
     request_timeout_s: float | None = None  # None: sized per request (request_timeout)
     server_timeout_s: float = 900.0
     cpu_defaults: bool = True  # add sglang_tts.bench.server.cpu_default_args(kv_tokens)
@@ -692,6 +704,9 @@ class Runner:
             bar.set_postfix_str(f"round {slot.round} {config.name} {what}")
             if own_text_only:
                 flush_cache(base_url)
+            if unit.concurrency > 1 and self.settings.warm_prompts:
+                for prompt in {p.id: p for p in plan.prompts}.values():
+                    self._send(base_url, prompt, config.speculative, 1)
             if unit.concurrency == 1:
                 prompt = plan.prompts[0]
                 start = time.perf_counter()

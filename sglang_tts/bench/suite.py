@@ -106,6 +106,8 @@ def plan_identity(plan: BenchPlan) -> dict[str, Any]:
         "served_model": r.served_model,
         "settings": {k: v for k, v in plan.settings.items() if k not in REPORT_ONLY_SETTINGS},
     }
+    if any(c > 1 for c in r.concurrencies):  # waves only; plans saved before the setting resume unchanged
+        identity["warm_prompts"] = r.warm_prompts
     return json.loads(json.dumps(identity))
 
 

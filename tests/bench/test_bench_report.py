@@ -17,6 +17,7 @@ from sglang_tts.bench.report import (
     concurrency_tables,
     losses,
     position_table,
+    prefill_table,
     prompt_ttft_table,
     proposer_table,
     reference_tables,
@@ -117,6 +118,21 @@ def test_the_hybrids_proposers_are_tabled_per_dataset_with_retirements():
     assert _row(text, "eagle3:tts+hybrid")[1:] == ["d", "12", "0.50", "8", "0.25", "1 of 2"]
     assert "| eagle3:tts+hybrid | all | 12 | 0.50 | 8 | 0.25 | 1 of 2 |" in text  # and pooled
     assert "| ngram |" not in text  # only hybrid configurations report proposers
+
+
+def test_prefill_is_tabled_when_the_radix_cache_served_part_of_a_prompt():
+    configs = build_configs(["frozen+hybrid", "tts+hybrid"], ["eagle3"], {"eagle3": "/d"})
+    uncached = [record(c.name, "d", [2] * 10, 1.0, prompt_tokens=100, cached_tokens=0) for c in configs]
+    assert prefill_table(aggregate(uncached, configs, bucket=8)) is None  # every configuration prefilled it all
+    wave = [
+        record("eagle3:frozen+hybrid", "d", [2] * 10, 1.0, prompt_tokens=100, cached_tokens=90, prompt_id="d-0"),
+        record("eagle3:frozen+hybrid", "d", [2] * 10, 1.0, prompt_tokens=100, cached_tokens=0, prompt_id="d-1"),
+        record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, prompt_tokens=100, cached_tokens=0, prompt_id="d-0"),
+        record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, prompt_tokens=100, cached_tokens=0, prompt_id="d-1"),
+    ]
+    text = prefill_table(aggregate(wave, configs, bucket=8))
+    assert _row(text, "eagle3:frozen+hybrid")[1:] == ["d", "200", "90", "110"]
+    assert _row(text, "eagle3:tts+hybrid")[1:] == ["d", "200", "0", "200"]
 
 
 def test_write_plots_writes_every_plot_as_png(tmp_path):

@@ -351,11 +351,12 @@ def test_openai_request_carries_custom_params_and_reads_meta_info():
     assert record.distinct_ngrams == [1.0, 1.0, 0.2, 0.2]  # 5 four-grams per quarter; the loop has 1 distinct
 
 
-def test_a_record_carries_the_hybrids_proposer_counters_and_retirement():
+def test_a_record_carries_the_hybrids_proposer_counters_retirement_and_cached_prompt_tokens():
     meta = {"completion_tokens": 9, "spec_verify_ct": 5, "tts_suffix_rounds": 3, "tts_suffix_accepted": 2}
-    meta |= {"tts_drafter_rounds": 2, "tts_drafter_accepted": 1, "tts_drafter_retired": 1}
+    meta |= {"tts_drafter_rounds": 2, "tts_drafter_accepted": 1, "tts_drafter_retired": 1, "cached_tokens": 3}
     record = record_from_response("eagle3:tts+hybrid", BenchPrompt("p0", "d"), 0, Response(meta, 9, 4, "x"), 1.0)
     assert (record.tts_suffix_rounds, record.tts_drafter_rounds, record.tts_drafter_retired) == (3, 2, 1)
+    assert (record.prompt_tokens, record.cached_tokens) == (4, 3)
     plain = record_from_response("ngram", BenchPrompt("p0", "d"), 0, Response({"completion_tokens": 9}, 9, 4, "x"), 1.0)
     assert plain.tts_drafter_retired is None  # a server without the hybrid sends no such key
 
@@ -432,6 +433,28 @@ def test_runner_sends_waves_of_concurrent_requests_and_charges_each_its_share():
     assert all(r.wall_s <= wave + 1e-6 for r in batched)
 
 
+@pytest.mark.parametrize("warm", [True, False])
+def test_a_waves_prompts_are_prefilled_once_each_before_its_clock_starts(warm):
+    """A wave that repeats a prompt would share its prefix or not as its requests happen to arrive: by default
+    each distinct prompt is sent once for 1 token before the wave (unrecorded); single requests are not."""
+    with _serving(_SlowSGLang) as base:
+        settings = RunnerSettings(model="m", base_url=base, concurrencies=(1, 3), warmup_tokens=0, warm_prompts=warm)
+        config = BenchConfig("eagle3:tts-s5", "tts", "eagle3", stride=5)
+        prompts = [BenchPrompt(f"p{i}", "d", messages=({"role": "user", "content": f"q{i}"},)) for i in range(2)]
+        _FakeSGLang.bodies.clear()
+        records = Runner(settings).run(plan_schedule([config], prompts, 1), progress=False)
+    sent = [(b["messages"][0]["content"], b["max_tokens"]) for b in _FakeSGLang.bodies]
+    single, wave = sent[:2], sent[2:]
+    n = settings.sampling.max_new_tokens
+    assert single == [("q0", n), ("q1", n)]
+    if warm:
+        assert wave[:2] == [("q0", 1), ("q1", 1)]  # p0 once although the wave sends it twice
+        assert sorted(wave[2:]) == [("q0", n), ("q0", n), ("q1", n)]
+    else:
+        assert sorted(wave) == [("q0", n), ("q0", n), ("q1", n)]
+    assert len(records) == 5  # warm requests are not recorded
+
+
 def test_a_request_waits_as_long_as_its_answer_needs(monkeypatch):
     """No --request-timeout: a request is waited for at least an hour, longer for a long answer (8,192
     tokens at 0.5 tokens/s; an hour lost one such answer on the 2-core CPU); a given timeout is kept."""
@@ -477,8 +500,9 @@ def test_ngram_requests_start_from_an_empty_corpus_and_report_sglangs_acceptance
         records = Runner(settings).run(plan_schedule(configs, prompts, 1), progress=False)
     chat, flush = "/v1/chat/completions", "/flush_cache?timeout=30"
     # ngram runs first: a flush before each of its 4 single requests and each of its 2 waves of 2 (no warm-up
-    # on a server the runner did not start); then frozen's 8 requests, none flushed.
-    assert _FakeNgram.paths == [flush, chat] * 4 + [flush, chat, chat] * 2 + [chat] * 8
+    # on a server the runner did not start), the flush before a wave's 2 prompt warm-ups; then frozen's 8
+    # requests and 4 warm-ups, none flushed.
+    assert _FakeNgram.paths == [flush, chat] * 4 + ([flush] + [chat] * 4) * 2 + [chat] * 12
     ngram = [r for r in records if r.config == "ngram"]
     assert len(ngram) == 8 and all(r.spec_accept_length == 2.0 and r.accept_lengths is None for r in ngram)
     # The report's throughput table shows its acceptance (SGLang's spec_accept_length, pooled over rounds).

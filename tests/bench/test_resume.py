@@ -166,8 +166,8 @@ def _journal_lines(run_dir: Path) -> list[dict]:
 
 
 def _measured(sent: list[tuple[str, str, int]]) -> list[tuple[str, str]]:
-    """The recorded requests sent (warm-ups ask for 2 tokens)."""
-    return [(server, prompt) for server, prompt, max_tokens in sent if max_tokens != 2]
+    """The recorded requests sent (a server's warm-up asks for 2 tokens, a wave's prompt warm-up for 1)."""
+    return [(server, prompt) for server, prompt, max_tokens in sent if max_tokens not in (1, 2)]
 
 
 # ----------------------------------------------------------------------------------------------------------
