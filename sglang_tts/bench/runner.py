@@ -30,8 +30,8 @@ depending on that order: on 3,249-token prompts one configuration's wave prefill
 tokens than another's over the same requests, seconds of CPU that no drafter caused. So by default
 (``warm_prompts``) each distinct prompt of a wave is prefilled by an unrecorded 1-token request before the
 wave's clock starts: every configuration's wave then finds all its prompts cached, and its wall time is
-the decode's. The warm request puts its prompt (and one token) in the server's NGRAM corpus, as the
-wave's own requests do at once.
+the decode's. A hybrid server's suffix corpus takes the prompt from the warm request, as it would from
+the wave's own prefill a moment later.
 
 By default requests go through the ``openai`` client to ``/v1/chat/completions`` with
 ``extra_body={"return_meta_info": True, "custom_params": {...}}``; ``api="generate"`` posts token ids to
