@@ -375,6 +375,15 @@ def test_a_run_resumes_in_another_checkout_with_the_same_shipped_drafter(tmp_pat
     assert len(plan_differences(identity(trained), identity(moved))) == 2
 
 
+def test_prefilling_a_waves_prompts_is_part_of_what_a_run_with_waves_measures(tmp_path):
+    waves = _plan(tmp_path / "run", concurrencies=(1, 2))
+    saved = plan_identity(waves)
+    saved.pop("warm_prompts")  # a plan saved before waves prefilled their prompts
+    assert plan_differences(saved, plan_identity(waves)) == ["warm_prompts: True (saved: None)"]
+    single = _plan(tmp_path / "run", concurrencies=(1,))
+    assert "warm_prompts" not in plan_identity(single)  # no waves: such a plan resumes as it was saved
+
+
 def test_an_extended_run_adds_prompts_and_sends_only_theirs(servers, tmp_path, capsys):
     run_dir = tmp_path / "run"
     small = _plan(run_dir, concurrencies=(1,))
