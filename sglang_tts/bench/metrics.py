@@ -189,11 +189,11 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
     """Aggregate one configuration's records (already filtered to one dataset, or all of them)."""
     tokens = sum(r.completion_tokens for r in records)
     wall = sum(r.share_wall_s for r in records)
-    updates = sum_opt(r.tts_num_updates for r in records)
-    skipped = sum_opt(r.tts_num_skipped_updates for r in records)
+    updates = _sum_int(r.tts_num_updates for r in records)
+    skipped = _sum_int(r.tts_num_skipped_updates for r in records)
     update_ms = sum_opt(r.tts_update_ms for r in records)
     clean = [r for r in records if long_and_clean(r)]
-    positions = sum_opt(r.tts_prompt_positions for r in records)
+    positions = _sum_int(r.tts_prompt_positions for r in records)
     free = None
     if config.sync and update_ms is not None and wall - update_ms / 1000 > 0:
         free = tokens / (wall - update_ms / 1000)
@@ -213,8 +213,8 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         accept_second_half=pooled_accept_from(records, 0.5),
         accept_last_quarter=pooled_accept_from(records, 0.75),
         buckets=bucket_accept(records, bucket),
-        updates=None if updates is None else int(updates),
-        skipped_updates=None if skipped is None else int(skipped),
+        updates=updates,
+        skipped_updates=skipped,
         update_ms=update_ms,
         ms_per_update=update_ms / updates if update_ms is not None and updates else None,
         update_wall_fraction=update_ms / 1000 / wall if update_ms is not None and wall > 0 else None,
@@ -222,7 +222,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         accept_new_text=_mean([n for r in records for n in rounds_in_new_text(r)]),
         long_clean_requests=len(clean),
         accept_long_clean=pooled_accept(clean),
-        prompt_positions=None if positions is None else int(positions),
+        prompt_positions=positions,
         prompt_ms=sum_opt(r.tts_prompt_ms for r in records),
         ttft_mean_s=_mean([r.ttft_s for r in records if r.ttft_s is not None]),
         suffix_rounds=_sum_int(r.tts_suffix_rounds for r in records),
@@ -236,6 +236,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
 
 
 def _sum_int(values: Iterable[int | None]) -> int | None:
+    """sum_opt of a count, as an int."""
     total = sum_opt(values)
     return None if total is None else int(total)
 
