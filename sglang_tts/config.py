@@ -182,6 +182,10 @@ class TTSConfig:
     # What the drafter trains on: "all" verified rounds (the target teaches whoever proposed), or only
     # the "drafter"'s own rounds (the spans the suffix proposer drafts are left out).
     hybrid_train: Literal["all", "drafter"] = "all"
+    # An update is due at the end of a stride in which the learned drafter drafted none of the
+    # request-rounds (the suffix proposer drafted them all): "skip" it (its gain would pay only on
+    # rounds the drafter drafts), or "run" it as any other.
+    hybrid_idle_updates: Literal["skip", "run"] = "skip"
     # Retire a request's drafter (suffix chains only for the rest of the request; no drafter steps,
     # draft-extend or canvases for it) once it has drafted `hybrid_retire_after` of its rounds at fewer
     # than `hybrid_retire_below` accepted tokens per round (0: never).
@@ -278,6 +282,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
         if self.hybrid_train not in ("all", "drafter"):
             raise TTSConfigError(f"--tts-hybrid-train must be all|drafter, got {self.hybrid_train!r}")
+        if self.hybrid_idle_updates not in ("skip", "run"):
+            raise TTSConfigError(f"--tts-hybrid-idle-updates must be skip|run, got {self.hybrid_idle_updates!r}")
         if self.hybrid_retire_below < 0.0:
             raise TTSConfigError(f"--tts-hybrid-retire-below must be >= 0, got {self.hybrid_retire_below!r}")
         after = self.hybrid_retire_after

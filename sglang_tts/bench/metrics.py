@@ -170,6 +170,7 @@ class Summary:
     drafter_rounds: int | None = None
     drafter_accepted: int | None = None
     retired_requests: int | None = None
+    idle_updates: int | None = None  # updates skipped, the drafter having drafted none of their stride (per request)
     # prompt tokens asked and those SGLang's radix cache served; at several in flight a wave's copies of
     # one prompt share its prefix or not depending on when each reaches the scheduler
     prompt_tokens: int | None = None
@@ -230,6 +231,7 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         drafter_rounds=_sum_int(r.tts_drafter_rounds for r in records),
         drafter_accepted=_sum_int(r.tts_drafter_accepted for r in records),
         retired_requests=_sum_int(r.tts_drafter_retired for r in records),
+        idle_updates=_sum_int(r.tts_idle_updates for r in records),
         prompt_tokens=_sum_int(r.prompt_tokens for r in records),
         cached_tokens=_sum_int(r.cached_tokens for r in records),
     )

@@ -329,7 +329,8 @@ def prompt_ttft_table(aggregates: Aggregates) -> str | None:
 
 def proposer_table(aggregates: Aggregates) -> str | None:
     """--tts-hybrid: per configuration and dataset, the rounds each proposer drafted, its accepted drafted
-    tokens per round (bonus excluded) and the requests whose drafter was retired (None: no hybrid ran)."""
+    tokens per round (bonus excluded), the requests whose drafter was retired and the updates skipped because
+    the drafter drafted none of their stride (None: no hybrid ran)."""
     rows_by = [s for s in aggregates.summaries if s.suffix_rounds is not None]
     if not rows_by:
         return None
@@ -346,10 +347,20 @@ def proposer_table(aggregates: Aggregates) -> str | None:
             str(s.drafter_rounds or 0),
             per_round(s.drafter_accepted, s.drafter_rounds),
             f"{s.retired_requests or 0} of {s.requests}",
+            fmt(s.idle_updates / s.requests, 1) if s.idle_updates is not None and s.requests else "-",
         ]
         for s in rows_by
     ]
-    header = ["configuration", "dataset", "suffix rounds", "accepted", "drafter rounds", "accepted", "retired"]
+    header = [
+        "configuration",
+        "dataset",
+        "suffix rounds",
+        "accepted",
+        "drafter rounds",
+        "accepted",
+        "retired",
+        "idle updates skipped / request",
+    ]
     return table(header, rows)
 
 

@@ -166,6 +166,7 @@ class RequestRecord:
     tts_drafter_rounds: int | None = None
     tts_drafter_accepted: int | None = None
     tts_drafter_retired: int | None = None  # 1 once --tts-hybrid-retire-below retired the request's drafter
+    tts_idle_updates: int | None = None  # updates skipped in its rounds: the drafter drafted none of their stride
     cached_tokens: int | None = None  # prompt tokens SGLang's radix cache served (not prefilled)
     e2e_latency_s: float | None = None  # the server's own measurement
     ttft_s: float | None = None  # streamed requests (--stream): request sent -> first token, client-side
@@ -477,6 +478,7 @@ def record_from_response(
         tts_drafter_rounds=_opt(meta, "tts_drafter_rounds", int),
         tts_drafter_accepted=_opt(meta, "tts_drafter_accepted", int),
         tts_drafter_retired=_opt(meta, "tts_drafter_retired", int),
+        tts_idle_updates=_opt(meta, "tts_idle_updates", int),
         cached_tokens=_opt(meta, "cached_tokens", int),
         e2e_latency_s=_opt(meta, "e2e_latency", float),
         ttft_s=response.ttft_s,

@@ -199,6 +199,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
     def verify(self, batch, pp_proxy_tensors=None, grammar_barrier=None):
         verify_input = batch.spec_info
         idle = batch.forward_mode.is_idle()
+        if not idle and self.tts_hybrid is not None:
+            self._note_drafted(batch)
         capture, seq_lens = self._capture_plan(batch) if not idle else (False, None)
         keeps = not idle and self.tts.distiller.next_round_keeps()
         kept_seq_lens = batch.seq_lens.clone() if keeps else None  # device copy: verify moves them
@@ -213,11 +215,22 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 self._tts_round_seconds += time.perf_counter() - tic
         return result
 
+    def _note_drafted(self, batch) -> None:
+        """--tts-hybrid: tell TTS how many of this round's requests the learned drafter drafted (the
+        round's plan, host values; no plan, e.g. it failed: the drafter drafted them all)."""
+        rids = [req.rid for req in batch.reqs]
+        plan = self.tts_hybrid.plan
+        if plan is None or plan.request_ids != rids:
+            drafted = len(rids)
+        else:
+            drafted = sum(not suffix for suffix in plan.use_suffix)
+        self.tts.note_drafted(rids, drafted)
+
     def _capture_plan(self, batch) -> tuple[bool, list[int] | None]:
         """Does this round build a canvas, and from which positions (read before verify moves
         them)? Only update rounds (and check rounds) read anything on the host: the rest of a
         round's TTS work stays on the device, and its report waits for SGLang's own host copy."""
-        capture = self.tts.distiller.next_round_submits() or self.tts.check_fallback
+        capture = self.tts.update_due() or self.tts.check_fallback
         if not capture:
             return False, None
         host = getattr(batch, "seq_lens_cpu", None)  # SGLang's CPU copy, when the batch has one
@@ -377,7 +390,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
                 device=self.tts.distiller.device,
             )
             canvas = check_canvas = None
-            if self.tts.distiller.next_round_submits():  # only update rounds need a canvas (and context K/V)
+            if self.tts.update_due():  # only update rounds need a canvas (and context K/V)
                 rows = path_rows(self.topk, n, accept_lens, result.accept_index, self.tts.config.canvas)
                 rows = [[] if s else r for r, s in zip(rows, skip)]
                 canvas = build_canvas(

@@ -232,6 +232,10 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "hybrid_train",
         {"choices": ["all", "drafter"], "help": "Train on every round, or only on the drafter's rounds."},
     ),
+    "--tts-hybrid-idle-updates": (
+        "hybrid_idle_updates",
+        {"choices": ["skip", "run"], "help": "Skip the update of a stride the drafter drafted no round of."},
+    ),
     "--tts-hybrid-retire-below": (
         "hybrid_retire_below",
         {"type": float, "help": "Retire a request's drafter below this many accepted tokens per round (0: never)."},

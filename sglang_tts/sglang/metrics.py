@@ -54,12 +54,15 @@ SCALAR_KEYS = (
 )
 # Hybrid drafting only (--tts-hybrid): per proposer, the rounds it drafted and the drafted tokens accepted.
 # tts_drafter_retired: 1 once the request's drafter was retired (--tts-hybrid-retire-below).
+# tts_idle_updates: updates skipped in the request's rounds, the drafter having drafted none of their
+# stride (--tts-hybrid-idle-updates skip).
 HYBRID_KEYS = (
     "tts_suffix_rounds",
     "tts_suffix_accepted",
     "tts_drafter_rounds",
     "tts_drafter_accepted",
     "tts_drafter_retired",
+    "tts_idle_updates",
 )
 ACCEPT_KEY = "tts_accept_lengths"
 # sha256 of the serving drafter weights at the request's first and last round (opt-in, for tests and
@@ -149,6 +152,7 @@ def write_request_info(
             snapshot[f"tts_{proposer}_rounds"] = counters.proposer_rounds[proposer]
             snapshot[f"tts_{proposer}_accepted"] = counters.proposer_accepted[proposer]
         snapshot["tts_drafter_retired"] = counters.drafter_retired
+        snapshot["tts_idle_updates"] = counters.idle_updates
     if digest is not None:
         if counters.digest_start is None:
             counters.digest_start = digest
@@ -341,6 +345,11 @@ class SchedulerMetrics:
         self.hybrid_skipped_extends = Counter(
             "sglang_tts:hybrid_skipped_extends_total",
             "Decode rounds whose draft-extend did not run: every request of the batch retired (--tts-hybrid)",
+        )
+        self.hybrid_idle_updates = Counter(
+            "sglang_tts:hybrid_idle_updates_total",
+            "Updates skipped: the learned drafter drafted no request-round of their stride "
+            "(--tts-hybrid-idle-updates skip)",
         )
         self._retired_seen, self._skipped_extends_seen = 0, 0
         self._last_wait_ms = 0.0

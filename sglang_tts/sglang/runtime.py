@@ -75,6 +75,7 @@ class RequestCounters:
     proposer_rounds: dict[str, int] | None = None
     proposer_accepted: dict[str, int] | None = None
     drafter_retired: int = 0  # --tts-hybrid-retire-below: 1 once the request's drafter was retired
+    idle_updates: int = 0  # --tts-hybrid: updates skipped in rounds of this request, the drafter having drafted none
 
 
 REBOUND = -1  # a drafted version no weight version equals (context_rebound)
@@ -152,6 +153,11 @@ class TTSRuntime:
         self._stride_due = False  # a finished update asks the governor for the next stride
         self.distiller.on_update_done = self._update_done
         self.hybrid = None  # --tts-hybrid: the worker's HybridDrafting (sglang/hybrid.py)
+        # --tts-hybrid: request-rounds the learned drafter drafted since the last stride ended, and the
+        # updates skipped because it drafted none (--tts-hybrid-idle-updates skip).
+        self._drafted_since_update = 0
+        self._round_requests: list[str] = []  # the requests of the round note_drafted saw last
+        self.idle_updates = 0
 
     def describe(self) -> str:
         """One line for the worker's start-up log."""
@@ -401,9 +407,15 @@ class TTSRuntime:
             self._check_fallback(check_canvas, exact)
             for rid in check_canvas.request_ids:  # their next first tokens: drafted after this verify
                 self._drafted_version[rid] = version
+        idle = self._idle_stride()  # read before the distiller counts this round
+        if idle:
+            canvas = None  # the stride's update is skipped: this round counts, nothing is trained
+            self._skip_idle_update(self._round_requests)
         if canvas is not None:
             self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
+        if submitted or idle:
+            self._drafted_since_update = 0
         if submitted and self._round_start is not None:
             self._round_start = (*self._round_start[:2], True)
         if submitted:  # the update's rows: this round's canvas and, with --tts-update-window, earlier rounds'
@@ -411,6 +423,41 @@ class TTSRuntime:
             if slots is not None:  # requests without an adapter were not trained
                 rows = [rid for rid, slot in zip(rows, slots.tolist()) if slot >= 0]
             self._pending_rounds = Counter(rows)
+
+    # --- hybrid: strides the drafter sat out ------------------------------------------------------
+
+    def note_drafted(self, request_ids: list[str], drafter_rounds: int) -> None:
+        """--tts-hybrid, before this round's verify: of its requests (`request_ids`), how many the learned
+        drafter drafts (the round's plan; host values, no sync)."""
+        self._round_requests = request_ids
+        self._drafted_since_update += drafter_rounds
+
+    def update_due(self) -> bool:
+        """Will this round's observe() submit an update? The distiller's stride says when, except that
+        with --tts-hybrid-idle-updates skip a stride in which the drafter drafted no request-round
+        trains nothing: its gain would pay only on rounds the drafter drafts, and the suffix proposer
+        drafted them all (a request copying its prompt). Such a round builds no canvas."""
+        return self.distiller.next_round_submits() and not self._idle_stride()
+
+    def _idle_stride(self) -> bool:
+        return (
+            self.hybrid is not None
+            and self.config.hybrid_idle_updates == "skip"
+            and self._drafted_since_update == 0
+            and self.distiller.next_round_submits()
+        )
+
+    def _skip_idle_update(self, request_ids: list[str]) -> None:
+        if self.idle_updates == 0:
+            logger.info(
+                "sglang-tts: hybrid: an update was skipped, the drafter having drafted none of its stride's rounds "
+                "(--tts-hybrid-idle-updates skip; counted in tts_idle_updates and sglang_tts:hybrid_idle_updates_total)"
+            )
+        self.idle_updates += 1
+        for rid in request_ids:
+            self.counters(rid).idle_updates += 1
+        if self.metrics is not None:
+            self.metrics.hybrid_idle_updates.inc()
 
     def capture_buffers(self):
         """The Distiller's canvas buffers; collecting a running update there is credited like anywhere."""

@@ -114,9 +114,10 @@ def test_the_hybrids_proposers_are_tabled_per_dataset_with_retirements():
         record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, tts_drafter_retired=1, prompt_id="d-0", **hybrid),
         record("eagle3:tts+hybrid", "d", [2] * 10, 1.0, tts_drafter_retired=0, prompt_id="d-1", **hybrid),
     ]
+    records[1].tts_idle_updates, records[2].tts_idle_updates = 3, 0
     text = proposer_table(aggregate(records, configs, bucket=8))
-    assert _row(text, "eagle3:tts+hybrid")[1:] == ["d", "12", "0.50", "8", "0.25", "1 of 2"]
-    assert "| eagle3:tts+hybrid | all | 12 | 0.50 | 8 | 0.25 | 1 of 2 |" in text  # and pooled
+    assert _row(text, "eagle3:tts+hybrid")[1:] == ["d", "12", "0.50", "8", "0.25", "1 of 2", "1.5"]
+    assert "| eagle3:tts+hybrid | all | 12 | 0.50 | 8 | 0.25 | 1 of 2 | 1.5 |" in text  # and pooled
     assert "| ngram |" not in text  # only hybrid configurations report proposers
 
 

@@ -72,14 +72,24 @@ def test_hybrid_output_is_the_targets_and_reports_both_proposers(loopy_llama, hy
 
 
 def test_hybrid_tts_keeps_training_and_stays_lossless(loopy_llama, loopy_eagle3):
-    for train in ("all", "drafter"):
+    """At stride 1 every round is a stride: by default (idle updates skipped) only the rounds the drafter
+    drafted train, and once the output cycles the suffix proposer drafts the rest; with `run` the
+    suffix proposer's rounds train too; with `--tts-hybrid-train drafter` they make no canvas."""
+    for train, idle in (("all", "skip"), ("all", "run"), ("drafter", "run")):
         args = _args(loopy_eagle3, "--tts-hybrid", "on", "--tts-hybrid-train", train, "--tts-update-stride", "1")
-        with sglang_server(str(loopy_llama), args) as server:
+        with sglang_server(str(loopy_llama), [*args, "--tts-hybrid-idle-updates", idle]) as server:
             out = _run(server, PROMPTS[0])
         assert out["output_ids"] == hf_greedy(str(loopy_llama), PROMPTS[0], NEW_TOKENS)
         meta = out["meta_info"]
         assert meta["tts_suffix_rounds"] > 0
         assert meta["tts_num_updates"] > 0 and meta["tts_failures"] == 0
+        if idle == "skip":
+            assert meta["tts_num_updates"] <= meta["tts_drafter_rounds"]
+            assert 0 < meta["tts_idle_updates"] <= meta["spec_verify_ct"] - meta["tts_num_updates"]
+        else:
+            assert meta["tts_idle_updates"] == 0
+        if train == "all" and idle == "run":  # the suffix proposer's rounds are trained on as well
+            assert meta["tts_num_updates"] > meta["tts_drafter_rounds"]
         if train == "drafter":  # only the drafter's rounds make canvases: fewer updates than rounds
             assert meta["tts_num_updates"] <= meta["tts_drafter_rounds"]
 

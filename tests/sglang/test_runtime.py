@@ -3,6 +3,7 @@ Prometheus counters see every reset, skipped update and failed publish."""
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import replace
 
@@ -27,14 +28,23 @@ def _runtime(monkeypatch, faults: str = "", **config) -> tuple[TTSRuntime, Colle
     return runtime, registry
 
 
-def _round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> None:
+def _round(runtime: TTSRuntime, generator: torch.Generator, live: list[str], drafted: int | None = None) -> bool:
+    """One round of `live`. With `drafted` (--tts-hybrid: the requests the drafter drafted), the worker
+    builds a canvas only when an update is due, as the EAGLE worker does. Returns whether it built one."""
     runtime.before_draft(live)
-    canvas = core.random_canvas(generator, batch=len(live))
-    canvas.request_ids = list(live)
+    due = True
+    if drafted is not None:
+        runtime.note_drafted(list(live), drafted)
+        due = runtime.update_due()
+    canvas = None
+    if due:
+        canvas = core.random_canvas(generator, batch=len(live))
+        canvas.request_ids = list(live)
     for rid in live:
         runtime.remember_anchor(rid, torch.zeros(4))
     runtime.count_round(dict.fromkeys(live, 2))
     runtime.observe(canvas)
+    return due
 
 
 def test_rolling_traffic_resets_the_batch_drafter_and_counts_every_reset(monkeypatch):
@@ -311,6 +321,41 @@ def test_with_the_hybrid_the_budget_reads_the_drafters_rounds(monkeypatch):
     assert registry.get_sample_value("sglang_tts:proposer_rounds_total", {"proposer": "suffix"}) == 3
     assert registry.get_sample_value("sglang_tts:hybrid_round_seconds", {"kind": "suffix"}) == 0.058
     assert registry.get_sample_value("sglang_tts:hybrid_round_seconds", {"kind": "drafter"}) is None
+
+
+@pytest.mark.parametrize("idle", ["skip", "run"])
+def test_with_the_hybrid_a_stride_the_drafter_sat_out_trains_nothing(monkeypatch, caplog, idle):
+    """Stride 3: the first stride's rounds all go to the suffix proposer, the second has one drafter round,
+    the third none again. `skip` runs the second stride's update only; `run` all three."""
+    runtime, registry = _runtime(monkeypatch, update_stride=3, hybrid=True, hybrid_idle_updates=idle)
+    runtime.hybrid = _Hybrid({})
+    caplog.set_level(logging.INFO, logger="sglang_tts.sglang.runtime")
+    generator = torch.Generator().manual_seed(0)
+    live = ["a", "b"]
+    drafted = [0, 0, 0, 0, 1, 0, 0, 0, 0]
+    due = [_round(runtime, generator, live, n) for n in drafted]
+    runtime.before_draft(live)  # the barrier collects the last round's update
+    updates = runtime.distiller.stats.num_updates
+    if idle == "skip":
+        assert due == [False, False, False, False, False, True, False, False, False]
+        assert updates == 1 and runtime.idle_updates == 2
+        assert registry.get_sample_value("sglang_tts:hybrid_idle_updates_total") == 2
+        assert runtime.counters("a").idle_updates == runtime.counters("b").idle_updates == 2
+        assert runtime.counters("a").num_updates == 1
+        assert sum("an update was skipped" in r.getMessage() for r in caplog.records) == 1  # logged once
+    else:
+        assert due == [False, False, True] * 3
+        assert updates == 3 and runtime.idle_updates == 0
+        assert registry.get_sample_value("sglang_tts:hybrid_idle_updates_total") == 0
+    assert runtime.distiller.stats.rounds == len(drafted)  # every round counts either way
+
+
+def test_without_the_hybrid_no_stride_is_idle(monkeypatch):
+    runtime, _ = _runtime(monkeypatch, update_stride=2)
+    generator = torch.Generator().manual_seed(0)
+    assert [_round(runtime, generator, ["a"], 0) for _ in range(4)] == [False, True, False, True]
+    runtime.before_draft(["a"])
+    assert runtime.distiller.stats.num_updates == 2 and runtime.idle_updates == 0
 
 
 def _check_round(runtime: TTSRuntime, generator: torch.Generator, live: list[str]) -> None:
