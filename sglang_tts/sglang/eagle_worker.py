@@ -219,11 +219,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
         """--tts-hybrid: tell TTS how many of this round's requests the learned drafter drafted (the
         round's plan, host values; no plan, e.g. it failed: the drafter drafted them all)."""
         rids = [req.rid for req in batch.reqs]
-        plan = self.tts_hybrid.plan
-        if plan is None or plan.request_ids != rids:
-            drafted = len(rids)
-        else:
-            drafted = sum(not suffix for suffix in plan.use_suffix)
+        drafted = sum(self.tts_hybrid.proposer_of(r) != "suffix" for r in range(len(rids)))
         self.tts.note_drafted(rids, drafted)
 
     def _capture_plan(self, batch) -> tuple[bool, list[int] | None]:

@@ -156,7 +156,7 @@ class TTSRuntime:
         # --tts-hybrid: request-rounds the learned drafter drafted since the last stride ended, and the
         # updates skipped because it drafted none (--tts-hybrid-idle-updates skip).
         self._drafted_since_update = 0
-        self._round_requests: list[str] = []  # the requests of the round note_drafted saw last
+        self._idle_round: list[str] | None = None  # the requests of this round, when its stride's update is skipped
         self.idle_updates = 0
 
     def describe(self) -> str:
@@ -407,14 +407,14 @@ class TTSRuntime:
             self._check_fallback(check_canvas, exact)
             for rid in check_canvas.request_ids:  # their next first tokens: drafted after this verify
                 self._drafted_version[rid] = version
-        idle = self._idle_stride()  # read before the distiller counts this round
-        if idle:
+        idle, self._idle_round = self._idle_round, None
+        if idle is not None:
             canvas = None  # the stride's update is skipped: this round counts, nothing is trained
-            self._skip_idle_update(self._round_requests)
+            self._skip_idle_update(idle)
         if canvas is not None:
             self.scope.contributed(canvas.request_ids)
         submitted = self._absorbing(lambda: self.distiller.observe(canvas, owned=owned))
-        if submitted or idle:
+        if submitted or idle is not None:
             self._drafted_since_update = 0
         if submitted and self._round_start is not None:
             self._round_start = (*self._round_start[:2], True)
@@ -428,24 +428,23 @@ class TTSRuntime:
 
     def note_drafted(self, request_ids: list[str], drafter_rounds: int) -> None:
         """--tts-hybrid, before this round's verify: of its requests (`request_ids`), how many the learned
-        drafter drafts (the round's plan; host values, no sync)."""
-        self._round_requests = request_ids
+        drafter drafts (the round's plan; host values, no sync). Decides here, once for the round, whether
+        the stride ends idle: with --tts-hybrid-idle-updates skip a stride in which the drafter drafted no
+        request-round trains nothing, as its gain would pay only on rounds the drafter drafts and the
+        suffix proposer drafted them all (a request copying its prompt)."""
         self._drafted_since_update += drafter_rounds
-
-    def update_due(self) -> bool:
-        """Will this round's observe() submit an update? The distiller's stride says when, except that
-        with --tts-hybrid-idle-updates skip a stride in which the drafter drafted no request-round
-        trains nothing: its gain would pay only on rounds the drafter drafts, and the suffix proposer
-        drafted them all (a request copying its prompt). Such a round builds no canvas."""
-        return self.distiller.next_round_submits() and not self._idle_stride()
-
-    def _idle_stride(self) -> bool:
-        return (
+        idle = (
             self.hybrid is not None
             and self.config.hybrid_idle_updates == "skip"
             and self._drafted_since_update == 0
             and self.distiller.next_round_submits()
         )
+        self._idle_round = list(request_ids) if idle else None
+
+    def update_due(self) -> bool:
+        """Will this round's observe() submit an update? The distiller's stride says when, except in a
+        round whose stride ended idle (note_drafted): it builds no canvas."""
+        return self._idle_round is None and self.distiller.next_round_submits()
 
     def _skip_idle_update(self, request_ids: list[str]) -> None:
         if self.idle_updates == 0:
