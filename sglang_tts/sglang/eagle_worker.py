@@ -200,7 +200,8 @@ class TTSEagleWorker(EAGLEWorkerV2):
         verify_input = batch.spec_info
         idle = batch.forward_mode.is_idle()
         if not idle and self.tts_hybrid is not None:
-            self._note_drafted(batch)
+            with self.tts.failures.absorb("hybrid", [req.rid for req in batch.reqs]):  # on failure: counted
+                self._note_drafted(batch)
         capture, seq_lens = self._capture_plan(batch) if not idle else (False, None)
         keeps = not idle and self.tts.distiller.next_round_keeps()
         kept_seq_lens = batch.seq_lens.clone() if keeps else None  # device copy: verify moves them
