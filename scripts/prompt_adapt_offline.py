@@ -73,10 +73,10 @@ class Row:
 
 
 @torch.no_grad()
-def accepted_per_chain(
-    drafter, prompt_len: int, ids, feats, top1, chain: int, eval_tokens: int, prompt_kv_from=None
-) -> float:
-    """Mean leading drafts equal to the target's greedy tokens, chains anchored at answer positions.
+def chain_drafts(drafter, prompt_len: int, ids, feats, chain: int, prompt_kv_from=None) -> torch.Tensor:
+    """The drafter's greedy chain (target token ids) [R, chain] at every answer row, teacher forced: row r
+    (0 = the first answer token) embeds token prompt_len + r, and its draft j predicts token
+    prompt_len + r + j + 1, which the target's logits at position prompt_len - 1 + r + j + 1 score.
     prompt_kv_from: a drafter whose K/V of the prompt rows the answer rows read (as served: SGLang's
     draft KV cache holds the prompt's K/V of the drafter that ran the prefill); None: `drafter`'s own."""
     length = ids.shape[0]
@@ -90,11 +90,20 @@ def accepted_per_chain(
             ids[None, first + 1 :], feats[None, first:-1], positions[:, first:], steps=chain, past_kv=past
         )
     head, d2t = drafter.lm_head_weight(), drafter.draft_to_target_ids()
+    return torch.stack([d2t[(hidden[j][0] @ head.T).argmax(-1)] for j in range(chain)], -1)
+
+
+@torch.no_grad()
+def accepted_per_chain(
+    drafter, prompt_len: int, ids, feats, top1, chain: int, eval_tokens: int, prompt_kv_from=None
+) -> float:
+    """Mean leading drafts equal to the target's greedy tokens, chains anchored at answer positions
+    (`chain_drafts`; `top1` [T]: the target's greedy next token at every position)."""
+    length = ids.shape[0]
+    first = prompt_len - 1
+    drafts = chain_drafts(drafter, prompt_len, ids, feats, chain, prompt_kv_from)
     rows = torch.arange(first, length - 1)
-    hits = torch.stack(
-        [d2t[(hidden[j][0] @ head.T).argmax(-1)] == top1[(rows + j + 1).clamp(max=length - 1)] for j in range(chain)],
-        -1,
-    )
+    hits = torch.stack([drafts[:, j] == top1[(rows + j + 1).clamp(max=length - 1)] for j in range(chain)], -1)
     end = min(first + eval_tokens, length - 1 - chain)
     return float(hits[: end - first].int().cumprod(-1).sum(-1).float().mean())
 

@@ -307,13 +307,30 @@ def cached_greedy_answers(
     """The target's greedy answer to each prompt (objects with ``id`` and ``input_ids``, e.g. the
     bench's chat prompts), generated once and cached in ``cache`` (``torch.save``; written after
     each prompt, so a stop loses at most the answer being generated): id -> (prompt ids, answer ids)."""
+    return cached_answers(model, prompts, max_new_tokens, cache)
+
+
+def cached_answers(
+    model: PreTrainedModel,
+    prompts: Sequence[Any],
+    max_new_tokens: int,
+    cache: Path,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict[str, tuple[list[int], list[int]]]:
+    """`cached_greedy_answers`, or with `temperature` > 0 one answer sampled at that temperature (top_p 1)
+    per prompt, seeded by `seed` and the prompt's position in `prompts` (the cache file names both)."""
     done = torch.load(cache) if cache.exists() else {}
-    for p in tqdm([p for p in prompts if p.id not in done], desc="target answers", unit="prompt"):
+    for i, p in enumerate(tqdm(prompts, desc="target answers", unit="prompt")):
+        if p.id in done:
+            continue
         ids = torch.tensor([p.input_ids])
+        sampling: dict[str, Any] = {"do_sample": False}
+        if temperature > 0:
+            torch.manual_seed(seed * 1_000_003 + i)
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0}
         with torch.no_grad():
-            out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False
-            )
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **sampling)
         done[p.id] = (list(p.input_ids), out[0, ids.shape[1] :].tolist())
         atomic_save(done, cache)
     return done

@@ -9,10 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts_testing import load_script
+from scripts_testing import load_script, tiny_target_and_eagle3
 
-from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
-from sglang_tts.drafters.checkpoints import write_tiny_eagle3
 from sglang_tts.training.target import sequence_features
 
 
@@ -23,17 +21,7 @@ def script():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from sglang_tts.drafters.loading import load_drafter
-    from sglang_tts.training.target import load_target
-
-    root = tmp_path_factory.mktemp("drafter_by_position")
-    # Nearly bigram (small layer weights): a greedy answer falls into a loop a random drafter partly predicts.
-    spec = TinyTargetSpec(vocab_size=512, num_hidden_layers=4, layer_std=0.02, init_std=0.6, seed=3)
-    target_path = write_tiny_target(root / "tiny-target", spec)
-    config = json.loads((target_path / "config.json").read_text())
-    model, _, target = load_target(target_path)
-    drafter_path = write_tiny_eagle3(root / "tiny-eagle3", config)
-    drafter = load_drafter(drafter_path, target_embedding=target.embedding.float(), target_config=target.config)
+    model, target, drafter = tiny_target_and_eagle3(tmp_path_factory.mktemp("drafter_by_position"))
     return model, target, drafter
 
 

@@ -9,10 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scripts_testing import load_script
-
-from sglang_tts.bench.tiny_models import TinyTargetSpec, write_tiny_target
-from sglang_tts.drafters.checkpoints import write_tiny_eagle3
+from scripts_testing import load_script, tiny_target_and_eagle3
 
 
 @pytest.fixture(scope="module")
@@ -22,19 +19,8 @@ def script():
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from sglang_tts.drafters.loading import load_drafter
-    from sglang_tts.training.target import load_target
-
-    root = tmp_path_factory.mktemp("verify_rule")
-    spec = TinyTargetSpec(vocab_size=512, num_hidden_layers=4, layer_std=0.02, init_std=0.6, seed=3)
-    target_path = write_tiny_target(root / "tiny-target", spec)
-    config = json.loads((target_path / "config.json").read_text())
-    model, _, target = load_target(target_path)
-    drafter = load_drafter(
-        write_tiny_eagle3(root / "tiny-eagle3", config), target_embedding=target.embedding.float(),
-        target_config=target.config,
-    )  # fmt: skip
-    return model, drafter.eval()
+    model, _, drafter = tiny_target_and_eagle3(tmp_path_factory.mktemp("verify_rule"))
+    return model, drafter
 
 
 @torch.no_grad()

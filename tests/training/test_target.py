@@ -122,3 +122,22 @@ def test_the_offline_scripts_load_a_target_and_its_drafter(tiny_llama, tmp_path)
         load_target_and_drafter(str(tiny_llama), str(drafter_path), kind=DFlashDrafter)
     with pytest.raises(ValueError, match="no drafter ships for"):
         load_target_and_drafter(str(tiny_llama))  # a folder of our own: nothing ships for it
+
+
+def test_cached_answers_are_greedy_or_seeded_samples_generated_once(tiny_target, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from sglang_tts.training import target as target_module
+
+    prompts = [SimpleNamespace(id=f"p{i}", input_ids=[5 + i, 17, 42, 9]) for i in range(2)]
+    greedy = target_module.cached_answers(tiny_target.model, prompts, 12, tmp_path / "greedy.pt")
+    assert greedy == target_module.cached_greedy_answers(tiny_target.model, prompts, 12, tmp_path / "greedy2.pt")
+    sampled = target_module.cached_answers(tiny_target.model, prompts, 12, tmp_path / "t1.pt", temperature=1.0, seed=3)
+    again = target_module.cached_answers(tiny_target.model, prompts, 12, tmp_path / "t1b.pt", temperature=1.0, seed=3)
+    other = target_module.cached_answers(tiny_target.model, prompts, 12, tmp_path / "t1c.pt", temperature=1.0, seed=4)
+    assert sampled == again  # seeded per prompt: the same answers on another run
+    assert sampled != greedy and sampled != other
+    assert all(sampled[p.id][0] == p.input_ids and len(sampled[p.id][1]) <= 12 for p in prompts)
+    # a second call reads the cache and generates nothing
+    monkeypatch.setattr(tiny_target.model, "generate", lambda *a, **k: pytest.fail("generated again"))
+    assert target_module.cached_answers(tiny_target.model, prompts, 12, tmp_path / "t1.pt", temperature=1.0) == sampled
