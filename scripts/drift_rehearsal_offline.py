@@ -14,12 +14,12 @@ with the target's probability of it at ``--temperature``, so a chain keeps sum_k
 temperature 0, the leading drafts equal to the target's greedy tokens. The answers are sampled at
 ``--temperature`` (1.0, as RL rollouts are; seeded per prompt; 0: greedy, where the drifted policy's answers
 on this testbed loop or stop after a line). The ceiling: the same for an oracle drafter that proposes the
-target's most likely token at every step, which no drafter beats on average under this rule: how much of a
-policy's fall any drafter must take. Scores:
+target's most likely token at every step, which no drafter beats in this score (each factor is the most a
+draft can keep at its position): how much of a policy's fall any drafter must take. Scores:
 - before: the base policy and the shipped drafter, on the base policy's answer;
 - stale: the drifted policy (``--drift``) and the shipped drafter, on the drifted policy's answer;
 - new text: the base policy and the shipped drafter on that same answer (the base policy's features and
-  greedy tokens): what the drifted policy's text alone costs, with the features the drafter was trained on;
+  distribution): what the drifted policy's text alone costs, with the features the drafter was trained on;
 - rehearsed: the drifted policy and the drafter after the rehearsal, on the same answer.
 The rehearsal texts are the base policy's answers to other prompts of the same workload (the
 previous step's rollouts; ``--rehearse-same``: to the held-out prompts themselves, as an RL step that
