@@ -157,7 +157,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from sglang_tts.training.target import cached_answers, load_target
+    from sglang_tts.training.target import cached_answers, load_target, sequence_features
 
     model_path, drift_path = Path(resolve_model(args.model)), Path(args.drift).expanduser()
     base_model, _, target = load_target(model_path)
@@ -186,10 +186,8 @@ def main() -> None:
     for p in previous:
         ids = torch.tensor(sum(rehearsed_answers[p.id], []))
         with torch.no_grad():
-            out = drift_model(ids[None], output_hidden_states=True)
-        feats = torch.cat([out.hidden_states[i + 1][0] for i in layers], -1)
-        texts.append(PromptWindow(p.id, ids.clone(), feats[:-1].clone(), 0))
-        del out
+            feats = sequence_features(drift_model, ids, layers)["hidden"].flatten(1)  # [T, F], read() order
+        texts.append(PromptWindow(p.id, ids, feats[:-1].clone(), 0))
     chain, n_eval, temp = args.chain, args.eval_tokens, args.temperature
     scored = []
     for p in held_out:

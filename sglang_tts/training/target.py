@@ -319,7 +319,8 @@ def cached_answers(
     seed: int = 0,
 ) -> dict[str, tuple[list[int], list[int]]]:
     """`cached_greedy_answers`, or with `temperature` > 0 one answer sampled at that temperature (top_p 1)
-    per prompt, seeded by `seed` and the prompt's position in `prompts` (the cache file names both)."""
+    per prompt, seeded by `seed` and the prompt's position in `prompts` (name `cache` after both: a cached
+    answer is returned whatever the arguments)."""
     done = torch.load(cache) if cache.exists() else {}
     for i, p in enumerate(tqdm(prompts, desc="target answers", unit="prompt")):
         if p.id in done:
