@@ -78,6 +78,9 @@ class TTSEagleWorker(EAGLEWorkerV2):
             start = time.perf_counter()
             self._tts_round_seconds = 0.0
         if live:
+            # SGLang picks the chain length of a batch size (its adaptive tiers) inside the forward below;
+            # pick it now, so that the round TTS plans (the hybrid's suffix chains) has the length drafted
+            self.activate_step_by_batch(batch.seq_lens.shape[0])
             tic = time.perf_counter()
             with failures.absorb("barrier", rids):  # on failure: draft with the weights in place
                 self.tts.before_draft(rids)
@@ -161,9 +164,10 @@ class TTSEagleWorker(EAGLEWorkerV2):
             problems.append("no --speculative-use-rejection-sampling (a suffix chain has no draft distribution)")
         if problems:
             raise RuntimeError("--tts-hybrid on needs " + "; ".join(problems))
-        # The longest chain a round may draft: the controller's longest, else the launch's.
-        control = self.tts_controller
-        steps = max(control.candidate_steps) if control is not None else self.speculative_num_steps
+        # The longest chain a round may draft: the adaptive chain lengths' longest (a controller's, or
+        # SGLang's --speculative-adaptive tiers), else the launch's.
+        adaptive = self.adaptive_controller
+        steps = max(adaptive.candidate_steps) if adaptive is not None else self.speculative_num_steps
         rule = HybridRule(
             steps,
             min_match=config.hybrid_min_match,

@@ -204,3 +204,35 @@ def test_a_controller_that_chooses_the_proposer_and_the_chain_stays_lossless(loo
     assert [Action.from_dict(r["action"]).proposer for r in records[:3]] == ["suffix", "hybrid", "drafter"]
     assert all(r["window"]["mean_suffix_offer"] is not None for r in records)
     assert max(r["window"]["mean_suffix_offer"] for r in records) > 0.5  # the cycle is offered
+
+
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "drafter"])
+def test_sglangs_batch_size_tiers_switch_the_chain_losslessly(loopy_llama, loopy_eagle3, tmp_path, hybrid):
+    """`--speculative-adaptive` with a config of batch-size tiers (SGLang's own: chain 3 alone, chain 1
+    from 2 requests): two requests at once, one shorter, so the batch shrinks from 2 to 1 mid-request
+    and the chain length switches between rounds. The round TTS plans must have the chain SGLang
+    drafts (this once killed the server: the hybrid planned 1-token suffix chains for a 3-token round)."""
+    tiers = tmp_path / "tiers.json"
+    tiers.write_text('{"1": {"candidate_steps": [3]}, "2": {"candidate_steps": [1]}}')
+    adaptive = ["--speculative-adaptive", "--speculative-adaptive-config", str(tiers)]
+    # the hybrid launches at chain 1: its suffix chains must still be as long as the longest tier's
+    launch = ["--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"]
+    extra = ["--tts-hybrid", "on", *launch] if hybrid else []
+    lengths = [NEW_TOKENS, NEW_TOKENS // 4]
+    with sglang_server(str(loopy_llama), _args(loopy_eagle3, "--tts-lr", "1e-2", *extra, *adaptive)) as server:
+        with ThreadPoolExecutor(2) as pool:
+            runs = [
+                pool.submit(generate_ids, server.base_url, p, n, custom_params={"tts_return_accept_lengths": True})
+                for p, n in zip(PROMPTS, lengths)
+            ]
+            results = [r.result() for r in runs]
+        log = server.log_path.read_text(errors="replace")
+    assert "Switch adaptive runtime state: steps 1 -> 3" in log and "Scheduler hit an exception" not in log
+    for prompt, n, out in zip(PROMPTS, lengths, results):
+        assert out["output_ids"] == hf_greedy(str(loopy_llama), prompt, n)
+        meta = out["meta_info"]
+        assert meta["tts_failures"] == 0
+    long = results[0]["meta_info"]["tts_accept_lengths"]
+    assert max(long) > 2  # chain-3 rounds ran once it was alone (a chain-1 round commits at most 2 tokens)
+    if hybrid:  # whole 3-token suffix chains of the cycle accepted once alone
+        assert results[0]["meta_info"]["tts_suffix_rounds"] > 0 and max(long) == 4
