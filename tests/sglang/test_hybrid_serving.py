@@ -215,11 +215,14 @@ def test_sglangs_batch_size_tiers_switch_the_chain_losslessly(loopy_llama, loopy
     tiers = tmp_path / "tiers.json"
     tiers.write_text('{"1": {"candidate_steps": [3]}, "2": {"candidate_steps": [1]}}')
     adaptive = ["--speculative-adaptive", "--speculative-adaptive-config", str(tiers)]
-    # the hybrid launches at chain 1: its suffix chains must still be as long as the longest tier's
+    # the hybrid launches at chain 1: its suffix chains must still be as long as the longest tier's. The
+    # loopy drafter does not draft this prompt until TTS has taught it the loop: synchronous updates every
+    # 2 rounds, so that it has learned it by the time the long request runs alone, whatever the timing
     launch = ["--speculative-num-steps", "1", "--speculative-num-draft-tokens", "2"]
     extra = ["--tts-hybrid", "on", *launch] if hybrid else []
+    learn = ["--tts-lr", "1e-2", "--tts-update-stride", "2", "--tts-sync"]
     lengths = [NEW_TOKENS, NEW_TOKENS // 4]
-    with sglang_server(str(loopy_llama), _args(loopy_eagle3, "--tts-lr", "1e-2", *extra, *adaptive)) as server:
+    with sglang_server(str(loopy_llama), _args(loopy_eagle3, *learn, *extra, *adaptive)) as server:
         with ThreadPoolExecutor(2) as pool:
             runs = [
                 pool.submit(generate_ids, server.base_url, p, n, custom_params={"tts_return_accept_lengths": True})
@@ -233,6 +236,7 @@ def test_sglangs_batch_size_tiers_switch_the_chain_losslessly(loopy_llama, loopy
         meta = out["meta_info"]
         assert meta["tts_failures"] == 0
     long = results[0]["meta_info"]["tts_accept_lengths"]
+    assert results[0]["meta_info"]["tts_num_updates"] > 0  # TTS trained across the switches
     assert max(long) > 2  # chain-3 rounds ran once it was alone (a chain-1 round commits at most 2 tokens)
     if hybrid:  # whole 3-token suffix chains of the cycle accepted once alone
         assert results[0]["meta_info"]["tts_suffix_rounds"] > 0 and max(long) == 4
