@@ -7,7 +7,10 @@ writer): draft, verify and extend times do not depend on its training, and a rou
 one token, so its cost shows undiluted. Every server logs the wall time of each phase
 (sglang_tts/platform/cpu/round_timing.py); end-to-end times come from the difference of a long and a
 short greedy request on the same prompt (the fastest of --repeats each), which cancels the prefill and HTTP
-costs.
+costs. `--temperature T` samples instead, with one fixed seed (the verify then samples every draft row).
+`--batch N` sends N copies of each request at once: the N rows decode in lockstep, and the phase medians count
+only the calls that ran all N (what a round costs when N requests share the batch, e.g. an RL rollout's
+samples).
 
 Reported, per configuration (milliseconds; costs are over the no-spec decode step of the same run):
 - decode step: the scheduler's median iteration without speculation, its end-to-end time per token, and
@@ -19,6 +22,7 @@ Reported, per configuration (milliseconds; costs are over the no-spec decode ste
 
     python scripts/bench_cpu_round.py --model Qwen2.5-Coder-0.5B-Instruct --out docs/results/cpu-round-qwen
     python scripts/bench_cpu_round.py --model SmolLM2-135M-Instruct --out docs/results/cpu-round-smollm2
+    python scripts/bench_cpu_round.py --batch 4 --temperature 1.0 --draft-tokens 2,4 --out docs/results/cpu-round-b4-t1
 
 Writes results.json, report.md and round_cost.png to --out (and prints the Markdown). Run it alone on the
 machine: it is a timing.
@@ -27,6 +31,7 @@ machine: it is a timing.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -78,11 +83,14 @@ def _median_ms(records: Sequence[dict[str, Any]], phase: str, mode: str | None =
     return statistics.median(values) if values else None
 
 
-def phase_medians(records: Sequence[dict[str, Any]]) -> dict[str, float]:
+def phase_medians(records: Sequence[dict[str, Any]], batch: int | None = None) -> dict[str, float]:
     """Median ms per call of each phase of the decode steps or rounds (prefill calls excluded).
 
     `iteration` is the scheduler's whole run_batch (a decode step, or a round's draft + verify + extend);
-    `draft_forward` is one drafter forward of a draft step."""
+    `draft_forward` is one drafter forward of a draft step. `batch`: only the calls that ran that many
+    requests (a wave of concurrent requests shrinks at its end; those calls are another shape)."""
+    if batch is not None:
+        records = [r for r in records if r.get("batch") == batch]
     rounds = [r for r in records if r["phase"] in ("round", "dflash_round") and r.get("mode") != "extend"]
     medians = {
         "iteration": _median_ms(records, "iteration", "decode"),
@@ -147,7 +155,9 @@ def summarize(timings: Sequence[Timing]) -> dict[str, Any]:
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     lines = [
-        f"# CPU round cost: {meta['model']} ({meta['drafter']} drafter, random)",
+        f"# CPU round cost: {meta['model']} ({meta['drafter']} drafter, random; "
+        f"{meta.get('batch', 1)} request(s) in flight, "
+        + ("greedy)" if not meta.get("temperature") else f"sampled at temperature {meta['temperature']}, seeded)"),
         "",
         f"Decode step (no-spec): **{summary['decode_step_ms']:.1f} ms** per scheduler iteration (median), "
         f"{summary['decode_step_e2e_ms']:.1f} ms end to end; the target's decode forward alone "
@@ -201,9 +211,26 @@ def plot(summary: dict[str, Any], meta: dict[str, Any], path: Path) -> None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _generate(base_url: str, ids: list[int], new_tokens: int) -> tuple[float, dict[str, Any]]:
-    """One greedy /generate of exactly `new_tokens`; (seconds, meta_info)."""
-    params = {"temperature": 0.0, "max_new_tokens": new_tokens, "ignore_eos": True}
+def _generate_wave(
+    base_url: str, ids: list[int], new_tokens: int, batch: int, temperature: float = 0.0
+) -> tuple[float, list[dict[str, Any]]]:
+    """`batch` copies of the same request at once (they decode in lockstep); (seconds, meta_infos)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(batch) as pool:
+        metas = [m for _, m in pool.map(lambda _: _generate(base_url, ids, new_tokens, temperature), range(batch))]
+    return time.perf_counter() - start, metas
+
+
+SAMPLING_SEED = 1234  # sampled requests carry it: every copy and repeat draws the same tokens
+
+
+def _generate(base_url: str, ids: list[int], new_tokens: int, temperature: float = 0.0) -> tuple[float, dict[str, Any]]:
+    """One /generate of exactly `new_tokens`, greedy or sampled with a fixed seed; (seconds, meta_info)."""
+    params: dict[str, Any] = {"temperature": temperature, "max_new_tokens": new_tokens, "ignore_eos": True}
+    if temperature > 0:
+        params["sampling_seed"] = SAMPLING_SEED
     body = json.dumps({"input_ids": ids, "sampling_params": params}).encode()
     request = urllib.request.Request(base_url + "/generate", data=body, headers={"Content-Type": "application/json"})
     start = time.perf_counter()
@@ -246,20 +273,23 @@ def measure(
     if args.mem_fraction is not None:
         extra += ["--mem-fraction-static", str(args.mem_fraction)]
     with sglang_server(str(model), [*extra, *server_args(config, drafter)], env={TIMING_ENV: str(timing_file)}) as s:
-        _generate(s.base_url, ids, args.short)  # warm-up: first-call allocations, oneDNN primitive caches
+        wave = functools.partial(_generate_wave, s.base_url, ids, batch=args.batch, temperature=args.temperature)
+        wave(args.short)  # warm-up: first-call allocations, oneDNN primitive caches, compiled samplers
         shorts, longs, records = [], [], []
         for _ in range(args.repeats):
             _, offset = read_records(timing_file)
-            t_short, m_short = _generate(s.base_url, ids, args.short)
-            t_long, m_long = _generate(s.base_url, ids, args.short + args.new_tokens)
+            t_short, m_short = wave(args.short)
+            t_long, m_long = wave(args.short + args.new_tokens)
             records += read_records(timing_file, offset)[0]
             shorts.append(t_short)
             longs.append(t_long)
-    # Greedy: every repeat makes the same tokens and rounds; the fastest of each length is the least disturbed.
-    tokens = m_long["completion_tokens"] - m_short["completion_tokens"]
-    steps = tokens if config.drafter == "none" else m_long["spec_verify_ct"] - m_short["spec_verify_ct"]
+    # Greedy (or one seed) and the same prompt: every request of a wave, and every repeat, makes the same tokens
+    # and rounds (the wave runs in lockstep); the fastest wave of each length is the least disturbed.
+    tokens = m_long[0]["completion_tokens"] - m_short[0]["completion_tokens"]
+    steps = tokens if config.drafter == "none" else m_long[0]["spec_verify_ct"] - m_short[0]["spec_verify_ct"]
     ms_per_step = (min(longs) - min(shorts)) / steps * 1e3
-    return Timing(config, ms_per_step, tokens / steps, phase_medians(records), verify_rows(records))
+    rows = verify_rows([r for r in records if r.get("batch") == args.batch])
+    return Timing(config, ms_per_step, tokens / steps, phase_medians(records, args.batch), rows)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -276,6 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=48, help="extra tokens of the long request")
     parser.add_argument("--short", type=int, default=8, help="tokens of the short request")
     parser.add_argument("--repeats", type=int, default=3, help="long/short pairs per configuration (min of each)")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="requests in flight: copies of the request sent at once (default 1)"
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0: greedy (default); above 0, sampled with a fixed seed (the verify samples every draft row)",
+    )
     parser.add_argument("--context-length", type=int, default=2048)
     parser.add_argument(
         "--mem-fraction",
@@ -285,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=None, help="folder for results.json, report.md, round_cost.png")
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error("--batch: at least 1 request in flight")
+    if args.temperature < 0:
+        parser.error("--temperature: 0 (greedy) or more")
 
     from transformers import AutoTokenizer
 
@@ -312,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "packed_linear": os.environ.get("SGLANG_TTS_CPU_PACKED_LINEAR", "1") != "0",
         "prompt_tokens": len(ids),
+        "batch": args.batch,
+        "temperature": args.temperature,
         "settings": {k: str(v) for k, v in vars(args).items()},
     }
     report = markdown(summary, meta)

@@ -69,3 +69,18 @@ def test_server_args(bench) -> None:
     assert (flags["--speculative-num-steps"], flags["--speculative-num-draft-tokens"]) == ("6", "7")
     assert flags["--speculative-eagle-topk"] == "1"
     assert bench.server_args(bench.RoundConfig("dflash", 4), drafter)[:2] == ["--speculative-algorithm", "DFLASH"]
+
+
+def test_batch_keeps_only_the_calls_of_the_whole_wave(bench) -> None:
+    # A wave of 4 requests: its last calls, after some requests finished, ran fewer rows and are another shape.
+    records = (
+        _records("iteration", "decode", [100.0, 102.0, 104.0], batch=4)
+        + _records("iteration", "decode", [45.0, 46.0], batch=2)
+        + _records("target_forward", "target_verify", [150.0, 152.0], tokens=16, batch=4)
+        + _records("target_forward", "target_verify", [80.0], tokens=8, batch=2)
+    )
+    medians = bench.phase_medians(records, batch=4)
+    assert medians["iteration"] == 102.0 and medians["target_verify"] == 151.0
+    assert bench.phase_medians(records)["iteration"] == 100.0  # all calls: the median mixes the shapes
+    assert bench.verify_rows([r for r in records if r["batch"] == 4]) == 16
+    assert bench.verify_rows(records) is None  # two row counts: not one shape

@@ -19,7 +19,10 @@ What it does when active:
 8. counts only this process's own allocations in SGLang's free-memory readings, so what other processes
    allocate while a server loads does not shrink or refuse its KV pool (sglang_tts.platform.cpu.memory);
 9. honours a request's sampling seed, and verifies sampling requests against the target's seeded
-   samples, so a seeded answer is the same with or without speculation (sglang_tts.platform.cpu.seeded_sampling).
+   samples, so a seeded answer is the same with or without speculation (sglang_tts.platform.cpu.seeded_sampling),
+   drawing them with noise only for the columns that can win (sglang_tts.platform.cpu.seeded_gumbel);
+10. has glibc keep freed memory for the next round's large tensors instead of faulting in fresh pages
+   every round (sglang_tts.platform.cpu.allocator).
 """
 
 from __future__ import annotations
@@ -117,6 +120,9 @@ def install() -> bool:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     _add_shim_to_path()
     _register_hooks()
+    from sglang_tts.platform.cpu import allocator
+
+    allocator.keep_freed_memory()
     _installed = True
     logger.info("sglang-tts: CPU support active (torch-native sgl_kernel ops, verify and draft attention)")
     return True

@@ -23,7 +23,9 @@ This module, while the CPU layer is active:
    is the target's own seeded sample given the true prefix). Greedy requests keep argmax; a batch
    that needs min-p (SGLang's seeded sampler does not support it), rejection sampling with draft
    probabilities, or a watermark takes SGLang's coin-based path as before;
-3. keeps min-p requests working (`min_p_sampling_hook`): SGLang asserts on seeded min-p sampling,
+3. draws those samples with less work (`seeded_gumbel`: the same tokens, noise only for the columns
+   that can win);
+4. keeps min-p requests working (`min_p_sampling_hook`): SGLang asserts on seeded min-p sampling,
    so a batch that needs min-p samples unseeded.
 
 What is exact: one request at a time, and batches whose requests have the same sampling options
@@ -48,6 +50,7 @@ from typing import Any
 
 import torch
 
+from sglang_tts.platform.cpu import seeded_gumbel
 from sglang_tts.sglang.failures import FailureLog
 
 SEED_ATTR = "_sglang_tts_sampling_seed"  # a Req's seed when it gave none (drawn once)
@@ -228,4 +231,8 @@ def register_hooks(registry, hook_type) -> None:
     registry.register("sglang.srt.speculative.eagle_utils.eagle_sample", eagle_sample_hook, hook_type.AROUND)
     registry.register(
         "sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", verify_tree_greedy_hook, hook_type.AROUND
+    )
+    # The same seeded samples for less work: only the columns that can win get their noise.
+    registry.register(
+        "sglang.srt.layers.sampler.multinomial_with_seed", seeded_gumbel.multinomial_with_seed_hook, hook_type.AROUND
     )
