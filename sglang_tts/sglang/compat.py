@@ -531,6 +531,12 @@ REQUIREMENTS: tuple[Requirement, ...] = (
         scope="cpu",
     ),
     Requirement(
+        "sglang.srt.layers.sampler:multinomial_with_seed",
+        "AROUND hook: the same seeded samples, noise only for the columns that can win (platform/cpu/seeded_gumbel.py)",
+        ("logprobs", "seed", "positions"),
+        scope="cpu",
+    ),
+    Requirement(
         "sglang.srt.layers.sampler:sampling_from_probs_torch",
         "called for seeded verify samples (platform/cpu/seeded_sampling.py)",
         ("probs", "*", "sampling_seed", "positions"),

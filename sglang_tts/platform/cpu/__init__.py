@@ -120,9 +120,9 @@ def install() -> bool:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     _add_shim_to_path()
     _register_hooks()
-    from sglang_tts.platform.cpu import allocator
+    from sglang_tts.platform.cpu.allocator import keep_freed_memory
 
-    allocator.keep_freed_memory()
+    keep_freed_memory()
     _installed = True
     logger.info("sglang-tts: CPU support active (torch-native sgl_kernel ops, verify and draft attention)")
     return True

@@ -11,7 +11,10 @@ for this. Without a preload, `keep_freed_memory` asks glibc (`mallopt`) to serve
 from its heap and to keep freed memory mapped, so the next round's tensors land on pages already touched.
 
 The cost: memory freed by a round stays with the process (the peak of one round's temporaries, tens of
-MB), which the KV pool, fixed at launch, does not need back. Off where glibc is not the C library (then
+MB; at most 256 MB at the heap's top), which the KV pool, fixed at launch, does not need back. Since the
+CPU layer counts a server's own memory growth as its weights (docs/cpu.md, "Memory"), memory
+freed during the load and kept counts too; the load's large tensors (above 32 MB) are still mmapped and
+returned, so that is the small ones' garbage. Off where glibc is not the C library (then
 nothing is called) and with SGLANG_TTS_CPU_KEEP_FREED_MEMORY=0.
 """
 
@@ -29,7 +32,7 @@ ENV = "SGLANG_TTS_CPU_KEEP_FREED_MEMORY"
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's largest (DEFAULT_MMAP_THRESHOLD_MAX on 64-bit)
-TRIM_THRESHOLD = 1 << 30  # keep up to 1 GB of freed memory at the heap's top
+TRIM_THRESHOLD = 256 * 1024 * 1024  # keep up to 256 MB of freed memory at the heap's top
 
 
 def keep_freed_memory() -> bool:

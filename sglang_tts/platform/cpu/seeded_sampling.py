@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from sglang_tts.platform.cpu import seeded_gumbel
+from sglang_tts.platform.cpu.seeded_gumbel import multinomial_with_seed_hook
 from sglang_tts.sglang.failures import FailureLog
 
 SEED_ATTR = "_sglang_tts_sampling_seed"  # a Req's seed when it gave none (drawn once)
@@ -233,6 +233,4 @@ def register_hooks(registry, hook_type) -> None:
         "sglang.srt.speculative.eagle_utils.verify_tree_greedy_func", verify_tree_greedy_hook, hook_type.AROUND
     )
     # The same seeded samples for less work: only the columns that can win get their noise.
-    registry.register(
-        "sglang.srt.layers.sampler.multinomial_with_seed", seeded_gumbel.multinomial_with_seed_hook, hook_type.AROUND
-    )
+    registry.register("sglang.srt.layers.sampler.multinomial_with_seed", multinomial_with_seed_hook, hook_type.AROUND)
