@@ -518,9 +518,8 @@ def column_keys(col_indices: torch.Tensor) -> torch.Tensor:
     """[m] int32: murmur3's k transform of each column (k * c1, rotated by 15, * c2), the bits as int32:
     the half of the last mix that depends on the column alone. SGLang hashes `arange(vocab)`: cached."""
     m = col_indices.shape[0]
-    keys = vocab_keys(m, str(col_indices.device))
     if torch.equal(col_indices.reshape(-1).to(torch.int64), torch.arange(m, device=col_indices.device)):
-        return keys
+        return vocab_keys(m, str(col_indices.device))
     return _keys(col_indices)
 
 
