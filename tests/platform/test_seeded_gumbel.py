@@ -152,3 +152,19 @@ def test_flat_distributions_score_every_column_at_once(scored) -> None:
     torch.manual_seed(6)
     _sample_checked(_lm_like(6, 20_000, 50.0, g), g)
     assert scored == [6]  # only the best column of each row went through the sparse path
+
+
+def test_a_fast_draw_that_raises_goes_to_sglangs_function_counted(monkeypatch, caplog) -> None:
+    # The sampler runs inside SGLang's scheduler: a failure of the fast path must not reach the batch.
+    failures = seeded_gumbel.FailureLog()
+    monkeypatch.setattr(seeded_gumbel, "FAILURES", failures)
+    monkeypatch.setattr(seeded_gumbel, "murmur_row_states", lambda *a: 1 / 0)
+    g = torch.Generator().manual_seed(7)
+    logprobs = _lm_like(3, 500, 1.0, g)
+    seed, positions = _draws(3, g)
+    with caplog.at_level("ERROR", logger="sglang_tts.sglang.failures"):
+        for _ in range(2):
+            out = seeded_gumbel.multinomial_with_seed_hook(sglang_sample, logprobs, seed, positions)
+            assert torch.equal(out, sglang_sample(logprobs, seed, positions))
+    assert failures.counts[seeded_gumbel.SITE] == 2
+    assert "ZeroDivisionError" in failures.last_error[seeded_gumbel.SITE]

@@ -18,7 +18,8 @@ The sample is the one SGLang draws, for every row, whatever else the batch holds
 function on every sampling mode); only the work differs. On Qwen2.5-Coder-0.5B's answers at temperature 1.0,
 3-12% of the vocabulary lies above the bound (8.5% on average), under 0.5% at 0.7.
 
-Installed by `seeded_sampling.register_hooks` (an AROUND hook) only with the CPU layer; a row whose
+Installed by `seeded_sampling.register_hooks` (an AROUND hook) only with the CPU layer; a draw that raises
+goes to SGLang's function (counted in `FAILURES`, site `seeded_sample`), and so does a batch with a row whose
 best score is not finite (a row holding a NaN: `torch.argmax` takes the NaN as the largest, so its score
 is NaN) goes to SGLang's function unchanged.
 """
@@ -30,6 +31,7 @@ import math
 import torch
 
 from sglang_tts.platform.cpu.sgl_kernel_ops import murmur_finish_, murmur_row_states, vocab_keys
+from sglang_tts.sglang.failures import FailureLog
 
 # The largest noise the hash can give: log(u) is clamped at -2**-32, so -log(-log u) <= -log(2**-32).
 NOISE_MAX = 32 * math.log(2)
@@ -38,6 +40,10 @@ _SLACK = 1e-3
 # Above this share of candidates (text of high entropy, e.g. a raw prompt at temperature 1.0: 62%) the
 # bookkeeping of a sparse set costs more than the noise it saves: every column is scored, as SGLang does.
 _DENSE_SHARE = 0.25
+
+# Fast draws that raised and went to SGLang's function instead (per process), logged as every TTS failure is.
+SITE = "seeded_sample"
+FAILURES = FailureLog()
 
 
 def _noisy(hashed: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
@@ -98,9 +104,15 @@ def multinomial_with_seed_cpu(
 
 
 def multinomial_with_seed_hook(original, logprobs, seed, positions, *args, **kwargs):
-    """AROUND hook on sglang.srt.layers.sampler.multinomial_with_seed (CPU tensors only)."""
+    """AROUND hook on sglang.srt.layers.sampler.multinomial_with_seed (CPU tensors only). If the fast path
+    raises, SGLang's function draws the same samples instead; the failure is counted in `FAILURES` (site
+    `SITE`) and logged, with its traceback the first time."""
     if logprobs.device.type == "cpu" and logprobs.dim() == 2 and not args and not kwargs:
-        out = multinomial_with_seed_cpu(logprobs, seed, positions)
+        try:
+            out = multinomial_with_seed_cpu(logprobs, seed, positions)
+        except Exception as error:  # noqa: BLE001 - the sampler runs in the scheduler: never fail a batch here
+            FAILURES.record(SITE, error, [])
+            out = None
         if out is not None:
             return out
     return original(logprobs, seed, positions, *args, **kwargs)
