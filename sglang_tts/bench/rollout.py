@@ -1167,8 +1167,9 @@ def render_report(
         "- tok/s: completion tokens / makespan (the server's output rate with P x n requests in flight).",
         "- tokens/round: tokens per verify round, bonus included, pooled over rounds: the per-round accept lengths "
         "TTS servers return, else SGLang's spec_accept_length x spec_verify_ct (stock, ngram).",
-        "- updates/sample: tts_num_updates per sample; with one drafter shared by concurrent samples (global, "
-        "batch, group scope) an update counts once for each sample it ran beside. ms each: tts_update_ms / updates.",
+        "- updates/sample: tts_num_updates per sample; one update trains the rounds of every sample in its window "
+        "(one shared drafter, or each request's adapter with --tts-scope request) and counts once for each of them, "
+        "so summed over samples it exceeds the server's updates. ms each: tts_update_ms / updates.",
         "- hit max: samples that stopped at max_new_tokens; looping: samples with a quarter of their text under "
         f"{REPETITIVE_BELOW:.0%} distinct word 4-grams.",
     ]
