@@ -21,7 +21,7 @@ function on every sampling mode); only the work differs. On Qwen2.5-Coder-0.5B's
 Installed by `seeded_sampling.register_hooks` (an AROUND hook) only with the CPU layer; a draw that raises
 goes to SGLang's function (counted in `FAILURES`, site `seeded_sample`), and so does a batch with a row whose
 best score is not finite (a row holding a NaN: `torch.argmax` takes the NaN as the largest, so its score
-is NaN) goes to SGLang's function unchanged.
+is NaN), unchanged.
 """
 
 from __future__ import annotations
