@@ -70,10 +70,40 @@ def rounds_in_new_text(record: RequestRecord) -> list[int]:
         return []
     out = []
     for n, start in zip(lengths, round_starts(lengths)):
-        share = shares[min(3, 4 * start // record.completion_tokens)]
+        share = shares[quarter_of(start, record.completion_tokens)]
         if share is not None and share >= REPETITIVE_BELOW:
             out.append(n)
     return out
+
+
+def quarter_of(start: int, completion_tokens: int) -> int:
+    """The quarter (0-3) of an output of ``completion_tokens`` tokens in which position ``start`` lies."""
+    return min(3, 4 * start // completion_tokens)
+
+
+def rounds_by_quarter(record: RequestRecord, new_text: bool = False) -> list[list[int]]:
+    """Accept lengths of the rounds starting in each quarter of the output (four lists). ``new_text``:
+    a quarter that loops (distinct word 4-gram share under REPETITIVE_BELOW) or has no score is left
+    empty, as in :func:`rounds_in_new_text`."""
+    quarters: list[list[int]] = [[], [], [], []]
+    lengths, shares = record.accept_lengths or [], record.distinct_ngrams
+    if not lengths or record.completion_tokens <= 0 or (new_text and not shares):
+        return quarters
+    for n, start in zip(lengths, round_starts(lengths)):
+        q = quarter_of(start, record.completion_tokens)
+        if new_text and (shares[q] is None or shares[q] < REPETITIVE_BELOW):
+            continue
+        quarters[q].append(n)
+    return quarters
+
+
+def pooled_by_quarter(records: Iterable[RequestRecord], new_text: bool = False) -> list[float | None]:
+    """Pooled tokens per round of the rounds starting in each quarter of their output (None: no round)."""
+    pooled: list[list[int]] = [[], [], [], []]
+    for record in records:
+        for q, rounds in enumerate(rounds_by_quarter(record, new_text)):
+            pooled[q].extend(rounds)
+    return [_mean(rounds) for rounds in pooled]
 
 
 def loops(record: RequestRecord) -> bool:
@@ -158,6 +188,10 @@ class Summary:
     update_wall_fraction: float | None = None
     updates_free_tokens_per_s: float | None = None
     accept_new_text: float | None = None  # rounds in quarters that do not loop (rounds_in_new_text)
+    # pooled tokens per round of the rounds starting in each quarter of their output; and the same
+    # over the quarters that do not loop (rounds_by_quarter)
+    accept_by_quarter: list[float | None] = field(default_factory=lambda: [None] * 4)
+    accept_by_quarter_new_text: list[float | None] = field(default_factory=lambda: [None] * 4)
     long_clean_requests: int = 0  # requests of >= LONG_OUTPUT_TOKENS tokens that never loop (long_and_clean)
     accept_long_clean: float | None = None  # pooled over those requests
     prompt_positions: int | None = None  # --tts-prompt-adapt: prompt positions learned, summed over requests
@@ -221,6 +255,8 @@ def summarize(records: Sequence[RequestRecord], config: BenchConfig, dataset: st
         update_wall_fraction=update_ms / 1000 / wall if update_ms is not None and wall > 0 else None,
         updates_free_tokens_per_s=free,
         accept_new_text=_mean([n for r in records for n in rounds_in_new_text(r)]),
+        accept_by_quarter=pooled_by_quarter(records),
+        accept_by_quarter_new_text=pooled_by_quarter(records, new_text=True),
         long_clean_requests=len(clean),
         accept_long_clean=pooled_accept(clean),
         prompt_positions=positions,

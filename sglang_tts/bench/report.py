@@ -310,6 +310,29 @@ def position_table(aggregates: Aggregates) -> str:
     return table(["output tokens", *(s.config for s in rows_by)], rows)
 
 
+def quarter_table(aggregates: Aggregates) -> str | None:
+    """Pooled tokens per round by quarter of each output, all rounds and the quarters that do not loop, one
+    row per speculative configuration (pooled over datasets); a drafter configuration beside its kind's
+    frozen one shows the gain per quarter (the paper's shape: the last quarter's gain against the first's)."""
+    rows_by = [s for s in aggregates.summaries if s.dataset == ALL and s.buckets]
+    if not rows_by:
+        return None
+    rows = []
+    for s in rows_by:
+        frozen = aggregates.summary(f"{s.kind}:frozen") if s.kind is not None else None
+        for label, attr in (("all rounds", "accept_by_quarter"), ("no loop", "accept_by_quarter_new_text")):
+            mine = getattr(s, attr)
+            base = getattr(frozen, attr) if frozen is not None and frozen is not s else None
+            cells = []
+            for q in range(4):
+                cell = fmt(mine[q])
+                if base is not None and mine[q] is not None and base[q]:
+                    cell += f" ({fmt_pct((mine[q] / base[q] - 1) * 100)})"
+                cells.append(cell)
+            rows.append([s.config, label, *cells])
+    return table(["configuration", "rounds", "Q1", "Q2", "Q3", "Q4"], rows)
+
+
 def prompt_ttft_table(aggregates: Aggregates) -> str | None:
     """Prompt adaptation's work and the time to first token, per configuration (None: neither was recorded)."""
     rows_by = [s for s in aggregates.summaries if s.dataset == ALL]
@@ -540,6 +563,10 @@ def _mode_sections(
         position_table(aggregates),
         "",
     ]
+    quarters = quarter_table(aggregates)
+    if quarters is not None:
+        title = f"{level} Acceptance by quarter of each output (pooled over datasets; % vs the kind's frozen drafter)"
+        out += [title, "", quarters, ""]
     prompt = prompt_ttft_table(aggregates)
     if prompt is not None:
         out += [f"{level} Prompt adaptation and time to first token", "", prompt, ""]

@@ -13,7 +13,9 @@ from sglang_tts.bench.metrics import (
     long_and_clean,
     pooled_accept,
     pooled_accept_from,
+    pooled_by_quarter,
     round_starts,
+    rounds_by_quarter,
     rounds_from,
     rounds_in_new_text,
     sampling_order,
@@ -172,6 +174,22 @@ def test_acceptance_on_new_text_leaves_out_the_rounds_in_looping_quarters():
     assert agg.summary("eagle3:tts-s1").accept_new_text == pytest.approx(32 / 23)
     assert agg.summary("eagle3:tts-s1").accept_mean == pytest.approx(60 / 30)  # the loop inflates the mean
     assert agg.comparison("eagle3:tts-s1").new_text_gain_pct == pytest.approx((32 / 23 - 1) * 100)
+
+
+def test_rounds_by_quarter_split_by_start_and_drop_looping_quarters_on_request():
+    # 61 tokens: quarters start at 0, 15.25, 30.5, 45.75; one-token rounds start 1..20, 4-token ones 21, 25, ..., 57.
+    r = record("eagle3:tts-s1", "d", [1] * 20 + [4] * 10, 1.0, distinct_ngrams=[0.9, 0.9, 0.1, 0.9])
+    assert rounds_by_quarter(r) == [[1] * 15, [1] * 5 + [4] * 3, [4] * 4, [4] * 3]
+    assert rounds_by_quarter(r, new_text=True) == [[1] * 15, [1] * 5 + [4] * 3, [], [4] * 3]
+    assert rounds_by_quarter(record("c", "d", [2, 2], 1.0), new_text=True) == [[], [], [], []]  # no text scores
+    other = record("eagle3:tts-s1", "d", [2] * 30, 1.0, distinct_ngrams=[0.9] * 4)  # 61 tokens, starts 1, 3, ..., 59
+    assert pooled_by_quarter([r, other]) == pytest.approx(
+        [(15 + 16) / 23, (17 + 14) / 15, (16 + 16) / 12, (12 + 14) / 10]
+    )
+    assert pooled_by_quarter([r, other], new_text=True)[2] == pytest.approx(2.0)  # only `other` counts there
+    assert pooled_by_quarter([]) == [None] * 4
+    agg = aggregate([r, other], full_configs(("tts-s1",)), bucket=8)
+    assert agg.summary("eagle3:tts-s1").accept_by_quarter_new_text[2] == pytest.approx(2.0)
 
 
 def test_long_outputs_that_never_loop_are_pooled_as_whole_requests():

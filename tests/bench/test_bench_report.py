@@ -20,6 +20,7 @@ from sglang_tts.bench.report import (
     prefill_table,
     prompt_ttft_table,
     proposer_table,
+    quarter_table,
     reference_tables,
     repetition_sentence,
     throughput_table,
@@ -89,6 +90,25 @@ def test_position_table_lists_buckets_per_configuration():
     text = position_table(aggregate(full_records(), full_configs(("frozen",)), bucket=20))
     # pooled over both datasets (identical frozen records): 21 of 11 rounds -> 42 tokens / 22 rounds
     assert _row(text, "40-59") == ["40-59", "1.91 (22)", "1.91 (22)"]
+
+
+def test_quarter_table_gives_each_quarter_and_the_gain_over_frozen():
+    # 41 tokens each: frozen 40 one-token rounds; TTS 20 two-token rounds whose last quarter loops.
+    frozen = record("eagle3:frozen", "d", [1] * 40, 1.0, distinct_ngrams=[0.9] * 4)
+    tts = record("eagle3:tts-s1", "d", [2] * 20, 1.0, distinct_ngrams=[0.9, 0.9, 0.9, 0.1])
+    text = quarter_table(aggregate([frozen, tts], full_configs(("frozen", "tts-s1")), bucket=8))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines()[2:]]
+    assert rows[0] == ["eagle3:frozen", "all rounds", "1.00", "1.00", "1.00", "1.00"]
+    assert rows[2] == [
+        "eagle3:tts-s1",
+        "all rounds",
+        "2.00 (+100.0%)",
+        "2.00 (+100.0%)",
+        "2.00 (+100.0%)",
+        "2.00 (+100.0%)",
+    ]
+    assert rows[3] == ["eagle3:tts-s1", "no loop", "2.00 (+100.0%)", "2.00 (+100.0%)", "2.00 (+100.0%)", "n/a"]
+    assert quarter_table(aggregate([], full_configs(("frozen",)), bucket=8)) is None
 
 
 def test_prompt_adaptation_and_ttft_are_tabled_only_when_recorded():
