@@ -376,6 +376,21 @@ def repetitive_outputs(records: Sequence[RequestRecord]) -> list[dict[str, Any]]
     return out
 
 
+def frozen_baseline(config: str, kind: str | None, names: Iterable[str]) -> str | None:
+    """The frozen configuration a drafter configuration is compared with: the frozen one with the same
+    ``+TAG`` suffixes when it ran (``tts+ship`` against ``frozen+ship``: the same drafter, the same extra
+    launch flags), else the kind's plain ``frozen``; None when neither ran."""
+    if kind is None:
+        return None
+    names = set(names)
+    tags = config.split("+")[1:]
+    same = f"{kind}:frozen" + "".join(f"+{tag}" for tag in tags)
+    if tags and same in names:
+        return same
+    plain = f"{kind}:frozen"
+    return plain if plain in names else None
+
+
 def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], bucket: int) -> Aggregates:
     """Summaries per (configuration, dataset) and ``all``, comparisons with frozen, the best stride."""
     datasets = sorted({r.dataset for r in records})
@@ -391,11 +406,12 @@ def aggregate(records: Sequence[RequestRecord], configs: Sequence[BenchConfig], 
         summaries.append(summarize(mine, config, ALL, bucket))
 
     index = {(s.config, s.dataset): s for s in summaries}
+    names = {s.config for s in summaries}
     comparisons: list[Comparison] = []
     for s in summaries:
         if s.variant != "tts":
             continue
-        frozen = index.get((f"{s.kind}:frozen", s.dataset))
+        frozen = index.get((frozen_baseline(s.config, s.kind, names), s.dataset))
         if frozen is not None:
             comparisons.append(compare(s, frozen))
 

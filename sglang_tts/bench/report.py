@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from sglang_tts.bench.configs import BenchConfig
-from sglang_tts.bench.metrics import ALL, GREEDY, LONG_OUTPUT_TOKENS, Aggregates, Summary
+from sglang_tts.bench.metrics import ALL, GREEDY, LONG_OUTPUT_TOKENS, Aggregates, Summary, frozen_baseline
 from sglang_tts.bench.repetition import REPETITIVE_BELOW
 from sglang_tts.bench.runner import parse_mode
 
@@ -170,7 +170,12 @@ def acceptance_tables(aggregates: Aggregates) -> str:
                 "long_clean_requests",
             ),
         ):
-            header = ["dataset", "frozen", *(s.config.split(":", 1)[1] for s in tts)]
+            names = {s.config for s in aggregates.summaries}
+            header = ["dataset", "frozen"]
+            for t in tts:
+                baseline = frozen_baseline(t.config, kind, names)
+                short = t.config.split(":", 1)[1]
+                header.append(short if baseline == frozen_name else f"{short} (% vs {baseline.split(':', 1)[1]})")
             rows = []
             for dataset in [*aggregates.datasets, ALL]:
                 frozen = aggregates.summary(frozen_name, dataset)
@@ -212,9 +217,10 @@ def stride_tables(aggregates: Aggregates) -> str:
         for s in ([frozen] if frozen else []) + _tts_all(aggregates, kind):
             c = aggregates.comparison(s.config)
             per_req = s.updates / s.requests if s.updates is not None and s.requests else None
+            other = c is not None and c.baseline != f"{kind}:frozen"
             rows.append(
                 [
-                    s.config,
+                    f"{s.config} (vs {c.baseline})" if other else s.config,
                     str(s.stride) if s.stride else "-",
                     "frozen" if s.variant == "frozen" else ("sync" if s.sync else "async"),
                     fmt(s.accept_mean),
@@ -312,14 +318,17 @@ def position_table(aggregates: Aggregates) -> str:
 
 def quarter_table(aggregates: Aggregates) -> str | None:
     """Pooled tokens per round by quarter of each output, all rounds and the quarters that do not loop, one
-    row per speculative configuration (pooled over datasets); a drafter configuration beside its kind's
-    frozen one shows the gain per quarter (the paper's shape: the last quarter's gain against the first's)."""
+    row per speculative configuration (pooled over datasets); a drafter configuration beside its frozen
+    baseline (metrics.frozen_baseline) shows the gain per quarter (the paper's shape: the last quarter's
+    gain against the first's)."""
     rows_by = [s for s in aggregates.summaries if s.dataset == ALL and s.buckets]
     if not rows_by:
         return None
+    names = {s.config for s in aggregates.summaries}
     rows = []
     for s in rows_by:
-        frozen = aggregates.summary(f"{s.kind}:frozen") if s.kind is not None else None
+        baseline = frozen_baseline(s.config, s.kind, names)
+        frozen = aggregates.summary(baseline) if baseline is not None else None
         for label, attr in (("all rounds", "accept_by_quarter"), ("no loop", "accept_by_quarter_new_text")):
             mine = getattr(s, attr)
             base = getattr(frozen, attr) if frozen is not None and frozen is not s else None
@@ -565,7 +574,7 @@ def _mode_sections(
     ]
     quarters = quarter_table(aggregates)
     if quarters is not None:
-        title = f"{level} Acceptance by quarter of each output (pooled over datasets; % vs the kind's frozen drafter)"
+        title = f"{level} Acceptance by quarter of each output (pooled over datasets; % vs its frozen baseline)"
         out += [title, "", quarters, ""]
     prompt = prompt_ttft_table(aggregates)
     if prompt is not None:

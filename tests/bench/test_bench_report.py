@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from bench_testing import full_configs, full_records, record
+from bench_testing import DRAFTERS, full_configs, full_records, record
 
 from sglang_tts.bench.configs import build_configs
 from sglang_tts.bench.metrics import aggregate, aggregate_by_sampling
@@ -109,6 +109,24 @@ def test_quarter_table_gives_each_quarter_and_the_gain_over_frozen():
     ]
     assert rows[3] == ["eagle3:tts-s1", "no loop", "2.00 (+100.0%)", "2.00 (+100.0%)", "2.00 (+100.0%)", "n/a"]
     assert quarter_table(aggregate([], full_configs(("frozen",)), bucket=8)) is None
+
+
+def test_a_tagged_drafter_configuration_is_compared_with_the_frozen_one_of_the_same_tags():
+    # frozen (1 token a round), frozen+ship (2), tts (2), tts+ship (3): tts+ship's baseline is frozen+ship.
+    configs = build_configs(
+        ["frozen", "tts", "frozen+ship", "tts+ship"], ["eagle3"], DRAFTERS, variants={"ship": ("--x",)}
+    )
+    records = [
+        record(name, "d", [n] * (60 // n), 1.0, distinct_ngrams=[0.9] * 4)
+        for name, n in (("eagle3:frozen", 1), ("eagle3:frozen+ship", 2), ("eagle3:tts", 2), ("eagle3:tts+ship", 3))
+    ]
+    agg = aggregate(records, configs, bucket=8)
+    assert agg.comparison("eagle3:tts+ship").baseline == "eagle3:frozen+ship"
+    assert agg.comparison("eagle3:tts+ship").accept_gain_pct == pytest.approx(50.0)
+    assert agg.comparison("eagle3:tts").baseline == "eagle3:frozen"
+    assert "tts+ship (% vs frozen+ship)" in acceptance_tables(agg)
+    assert _row(quarter_table(agg), "eagle3:tts+ship")[2] == "3.00 (+50.0%)"
+    assert _row(quarter_table(agg), "eagle3:frozen+ship")[2] == "2.00"  # a frozen variant is its own baseline
 
 
 def test_prompt_adaptation_and_ttft_are_tabled_only_when_recorded():
