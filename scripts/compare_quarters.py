@@ -26,7 +26,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sglang_tts.bench.across_runs import QuarterRow, Series, compare_quarters  # noqa: E402
-from sglang_tts.bench.report import fmt, machine_info, table, write_rows_report  # noqa: E402
+from sglang_tts.bench.report import fmt, fmt_pct, machine_info, table, write_rows_report  # noqa: E402
+
+VIEWS = (("all rounds", "by_quarter"), ("quarters that do not loop", "by_quarter_no_loop"))  # (title, QuarterRow field)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +57,7 @@ def render(rows: Sequence[QuarterRow], prompts: Sequence[str], differing: Sequen
             else "Outputs identical in every series."
         )
     )
-    for title, attr in (("all rounds", "by_quarter"), ("quarters that do not loop", "by_quarter_no_loop")):
+    for title, attr in VIEWS:
         header = ["series", "run", "config", "in flight", "Q1", "Q2", "Q3", "Q4", "Q4 / Q1"]
         body = []
         for r in rows:
@@ -76,7 +78,7 @@ def render(rows: Sequence[QuarterRow], prompts: Sequence[str], differing: Sequen
                 )
         for a, b in gains:
             qa, qb = getattr(by_label[a], attr), getattr(by_label[b], attr)
-            cells = [f"{(x / y - 1) * 100:+.1f}%" if x is not None and y else "n/a" for x, y in zip(qa, qb)]
+            cells = [fmt_pct((x / y - 1) * 100 if x is not None and y else None) for x, y in zip(qa, qb)]
             body.append([f"{a} over {b}", "", "", "", *cells, ""])
         parts.append(f"## Tokens per round by quarter, {title}\n\n" + table(header, body))
     parts.append(
@@ -105,9 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        for ax, (title, attr) in zip(
-            axes, (("all rounds", "by_quarter"), ("quarters that do not loop", "by_quarter_no_loop"))
-        ):
+        for ax, (title, attr) in zip(axes, VIEWS):
             for r in rows:
                 q = getattr(r, attr)
                 ax.plot([1, 2, 3, 4], [v if v is not None else float("nan") for v in q], marker="o", label=r.label)

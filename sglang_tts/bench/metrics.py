@@ -64,16 +64,8 @@ def rounds_from(record: RequestRecord, fraction: float) -> list[int]:
 
 def rounds_in_new_text(record: RequestRecord) -> list[int]:
     """Accept lengths of the rounds starting in a quarter of the output that does not loop (distinct word
-    4-gram share at least REPETITIVE_BELOW); empty for records without text scores."""
-    lengths, shares = record.accept_lengths or [], record.distinct_ngrams
-    if not lengths or not shares or record.completion_tokens <= 0:
-        return []
-    out = []
-    for n, start in zip(lengths, round_starts(lengths)):
-        share = shares[quarter_of(start, record.completion_tokens)]
-        if share is not None and share >= REPETITIVE_BELOW:
-            out.append(n)
-    return out
+    4-gram share at least REPETITIVE_BELOW), in round order; empty for records without text scores."""
+    return [n for quarter in rounds_by_quarter(record, new_text=True) for n in quarter]
 
 
 def quarter_of(start: int, completion_tokens: int) -> int:

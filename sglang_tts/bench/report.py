@@ -153,6 +153,7 @@ def _ngram_all(aggregates: Aggregates) -> list[Summary]:
 def acceptance_tables(aggregates: Aggregates) -> str:
     """Per dataset: frozen vs every TTS configuration, overall and in the last quarter (paper Tables 1/2)."""
     parts: list[str] = []
+    names = {s.config for s in aggregates.summaries}
     for kind in _kinds(aggregates):
         tts = _tts_all(aggregates, kind)
         frozen_name = f"{kind}:frozen"
@@ -170,7 +171,6 @@ def acceptance_tables(aggregates: Aggregates) -> str:
                 "long_clean_requests",
             ),
         ):
-            names = {s.config for s in aggregates.summaries}
             header = ["dataset", "frozen"]
             for t in tts:
                 baseline = frozen_baseline(t.config, kind, names)
