@@ -38,28 +38,7 @@ from tqdm import tqdm
 from sglang_tts.bench.report import pyplot
 from sglang_tts.bench.workload import chat_prompts, sample_prompts
 from sglang_tts.drafters.eagle3 import Eagle3Drafter
-from sglang_tts.training.target import sequence_features
-
-
-@torch.no_grad()
-def chain_hits(model: Any, drafter: Eagle3Drafter, ids: torch.Tensor, steps: int) -> torch.Tensor:
-    """[L - 1, steps] bool: row t's draft step j equals the target's pick for position t + j + 2 (teacher
-    forced: the true tokens before it); rows whose position runs past the sequence are False."""
-    layer_ids = sorted(set(drafter.cfg.aux_layer_ids))
-    features = sequence_features(model, ids, layer_ids)
-    order = [layer_ids.index(i) for i in drafter.cfg.aux_layer_ids]
-    feats = features["hidden"][:, order].flatten(1)  # [L, K * H] in the drafter's layer order
-    length = len(ids)
-    hidden = drafter.ttt_hidden(ids[None, 1:], feats[None, :-1], torch.arange(1, length)[None], steps=steps)
-    d2t, head = drafter.draft_to_target_ids(), drafter.lm_head_weight()
-    hits = torch.zeros(length - 1, steps, dtype=torch.bool)
-    for j in range(steps):
-        rows = length - 2 - j  # row t predicts position t + j + 2, which must exist
-        if rows <= 0:
-            continue
-        pick = d2t[(hidden[j][0, :rows] @ head.T).argmax(-1)]
-        hits[:rows, j] = pick == features["top1"][j + 1 : j + 1 + rows]
-    return hits
+from sglang_tts.training.eagle3 import chain_hits
 
 
 def summarize(hits: torch.Tensor, bucket: int, offset: int = 0) -> list[dict[str, Any]]:

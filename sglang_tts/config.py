@@ -176,6 +176,10 @@ class TTSConfig:
     hybrid: bool = False
     hybrid_min_match: int = 0
     hybrid_margin: float = 0.0
+    # The suffix side of that comparison: the suffix proposer's moving "average" of accepted tokens on
+    # the request, or the "chain" at hand's score (how often the request's own context continued its
+    # deepest matching suffix with the chain's tokens).
+    hybrid_score: Literal["average", "chain"] = "average"
     # Weigh measured round costs: when the whole batch on suffix chains (the drafter's steps skipped)
     # yields more expected tokens per second than the rule's choice, every request takes its chain.
     hybrid_cost: bool = False
@@ -280,6 +284,8 @@ class TTSConfig:
             raise TTSConfigError(f"--tts-guard-backoff must be in (0, 1], got {self.guard_backoff!r}")
         if not isinstance(self.hybrid_min_match, int) or self.hybrid_min_match < 0:
             raise TTSConfigError(f"--tts-hybrid-min-match must be an integer >= 0, got {self.hybrid_min_match!r}")
+        if self.hybrid_score not in ("average", "chain"):
+            raise TTSConfigError(f"--tts-hybrid-score must be average|chain, got {self.hybrid_score!r}")
         if self.hybrid_train not in ("all", "drafter"):
             raise TTSConfigError(f"--tts-hybrid-train must be all|drafter, got {self.hybrid_train!r}")
         if self.hybrid_idle_updates not in ("skip", "run"):

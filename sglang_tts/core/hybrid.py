@@ -6,8 +6,11 @@ text. Both fill the same chain of `steps` slots, so the verify shape does not de
 proposed (sglang/hybrid.py puts the chosen chain in place). This module is the rule alone.
 
 The rule (per request): take the suffix chain when it is at least `min_match` tokens long and the
-suffix proposer's expected accepted tokens on this request are at least the drafter's minus
-`margin`. The expectations are exponential moving averages of accepted drafted tokens:
+suffix proposer's expected accepted tokens are at least the drafter's minus `margin`. The drafter's
+expectation is a moving average; the suffix proposer's is either the score of the chain at hand
+(`score="chain"`, `chain_score`: how often the request's own context continued its deepest
+matching suffix with the chain's tokens, Arctic's suffix-tree score by C string search) or a moving
+average as the drafter's (`score="average"`). The moving averages are of accepted drafted tokens:
 - the drafter's: from the rounds it drafted (exact: SGLang's accepted length);
 - the suffix proposer's: from the rounds it drafted, and from every other round in which it had a
   chain of `min_match` tokens, counterfactually: how many of its tokens the committed tokens of that
@@ -48,7 +51,7 @@ Host ints only: the worker feeds committed tokens it already has on the host.
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -57,6 +60,8 @@ DRAFTER = "drafter"
 PROPOSERS = (SUFFIX, DRAFTER)
 HYBRID = "hybrid"
 MODES = (DRAFTER, HYBRID, SUFFIX)  # who drafts a round: the drafter, the rule, the suffix proposer
+SCORES = ("average", "chain")  # the suffix proposer's expectation: a moving average, or the chain at hand's score
+SCORE_DEPTH = 16  # the deepest suffix of the context `chain_score` matches (tokens)
 
 
 def common_prefix(proposal: Sequence[int], committed: Sequence[int]) -> int:
@@ -79,10 +84,48 @@ class HybridRule:
     explore: int = 16  # cost rule: a request kept off the drafter this many rounds gives it one
     retire_below: float = 0.0  # retire a request's drafter below this many accepted tokens per round (0: never)
     retire_after: int = 32  # ... judged once it has drafted this many of the request's rounds
+    score: str = "average"  # the suffix side of the rule: SCORES ("average"; "chain": the chain at hand's score)
 
     def __post_init__(self) -> None:
         if self.min_match <= 0 or self.min_match > self.steps:
             self.min_match = self.steps
+        if self.score not in SCORES:
+            raise ValueError(f"hybrid score must be one of {SCORES}, got {self.score!r}")
+
+
+def as_text(tokens: Iterable[int]) -> str:
+    """Token ids as a str of code points (one character per token; ids below 0x110000), so that Python's
+    C string search finds and counts token n-grams."""
+    return "".join(map(chr, tokens))
+
+
+def chain_score(text: str, chain: Sequence[int], depth: int = SCORE_DEPTH) -> float:
+    """Expected accepted tokens of `chain` drafted after the context `text` (`as_text` of prompt + output),
+    from the context's own counts: take the deepest suffix of the context, at most `depth` tokens, that
+    occurred before; of its earlier occurrences, the share followed by chain[:1], chain[:2], ... summed
+    (Arctic's suffix-tree score). 0.0 when the context's last token never occurred before, or for an
+    empty chain. Occurrences are counted without overlap (str.count): a repeat of period shorter than the
+    pattern counts less often, which lowers numerator and denominator alike."""
+    body = text[:-1]  # an earlier occurrence ends before the last token, so a token follows it
+    lo, hi = 0, min(depth, len(body))
+    while lo < hi:  # the deepest k with text[-k:] in body (a suffix that occurs has shorter ones that do)
+        k = (lo + hi + 1) // 2
+        if body.find(text[-k:]) >= 0:
+            lo = k
+        else:
+            hi = k - 1
+    if lo == 0 or not chain:
+        return 0.0
+    pattern = text[-lo:]
+    seen = body.count(pattern)
+    score, path = 0.0, pattern
+    for token in chain:
+        path += chr(token)
+        share = min(body.count(path) / seen, 1.0)
+        if share == 0.0:
+            break
+        score += share
+    return score
 
 
 class RoundCosts:
@@ -129,6 +172,8 @@ class _Request:
     scored: bool = True  # a SUFFIX round teaches the suffix expectation (False: a chain it was not offered)
     off_drafter: int = 0  # rounds the cost rule kept this request off the drafter in a row
     retired: bool = False  # the drafter is done with this request: suffix chains only (module docstring)
+    estimate: float = 0.0  # the suffix side of this round's choice (its chain's score, or the average)
+    text: str = ""  # score "chain": the request's context (prompt + output) as_text, extended every round
 
 
 class HybridChooser:
@@ -151,6 +196,21 @@ class HybridChooser:
         state.expected[proposer] = (1 - d) * state.expected[proposer] + d * tokens
         self.prior[proposer] = (1 - d / 4) * self.prior[proposer] + d / 4 * tokens
 
+    def score(self, rid: str, prompt: Sequence[int], output: Sequence[int], chain: Sequence[int]) -> float:
+        """`chain_score` of the suffix chain offered to `rid` after its context (`prompt` + `output`, host
+        ints). The context's text is kept per live request and extended by the new output tokens (rebuilt
+        when it no longer matches: a request that was retracted and runs again)."""
+        state = self._state(rid)
+        text, n = state.text, len(prompt) + len(output)
+        have = len(text)
+        last = (prompt[have - 1] if have <= len(prompt) else output[have - len(prompt) - 1]) if 0 < have <= n else -1
+        if have < len(prompt) or have > n or ord(text[-1]) != last:
+            text = as_text(prompt) + as_text(output)
+        else:
+            text += as_text(output[have - len(prompt) :])
+        state.text = text
+        return chain_score(text, chain)
+
     def choose(
         self,
         rid: str,
@@ -158,13 +218,15 @@ class HybridChooser:
         committed: Sequence[int],
         mode: str = HYBRID,
         min_match: int | None = None,
+        score: float | None = None,
     ) -> bool:
         """This round of request `rid`: True to verify `suffix_chain` (the suffix proposer's tokens),
         False for the drafter's. `committed`: the request's output tokens so far (host ints); the
         tokens after the length recorded last round are that round's commits, which score the
         suffix proposer's last offer when the drafter drafted. `mode`: MODES (module docstring);
         `min_match`: the rule's shortest chain for this round (a shorter chain length than the
-        rule's `steps`: at most that length), default the rule's."""
+        rule's `steps`: at most that length), default the rule's. `score`: the chain's `score` (rule
+        score "chain"; None: the suffix proposer's moving average decides)."""
         if mode not in MODES:
             raise ValueError(f"hybrid mode must be one of {MODES}, got {mode!r}")
         need = self.rule.min_match if min_match is None else min(max(int(min_match), 1), self.rule.min_match)
@@ -176,11 +238,13 @@ class HybridChooser:
         offered = len(suffix_chain) >= need
         state.proposal = tuple(suffix_chain) if offered else ()
         state.committed_at = len(committed)
+        use_score = score is not None and self.rule.score == "chain"
+        state.estimate = (score if use_score else state.expected[SUFFIX]) if offered else 0.0
         if state.retired:
             state.choice, state.scored = SUFFIX, offered  # a shorter chain than the rule's: counted, not learned
             return True
         if mode == HYBRID:
-            take = offered and state.expected[SUFFIX] >= state.expected[DRAFTER] - self.rule.margin
+            take = offered and state.estimate >= state.expected[DRAFTER] - self.rule.margin
         else:
             take = mode == SUFFIX
         state.choice = SUFFIX if take else DRAFTER
@@ -195,15 +259,21 @@ class HybridChooser:
         mode: str = HYBRID,
         min_match: int | None = None,
         cost_ratio: float = 1.0,
+        scores: Sequence[float | None] | None = None,
     ) -> list[bool]:
-        """`choose` for each request of a batch, then the cost rule (module docstring) when the rule
-        has it: `cost_ratio` is a drafter round's seconds over a suffix round's at this shape."""
-        take = [self.choose(rid, chain, done, mode, min_match) for rid, chain, done in zip(rids, chains, committed)]
+        """`choose` for each request of a batch (`scores`: each chain's `score`, or None), then the cost
+        rule (module docstring) when the rule has it: `cost_ratio` is a drafter round's seconds over a
+        suffix round's at this shape."""
+        scores = [None] * len(rids) if scores is None else scores
+        take = [
+            self.choose(rid, chain, done, mode, min_match, score)
+            for rid, chain, done, score in zip(rids, chains, committed, scores)
+        ]
         if mode != HYBRID or not self.rule.cost or cost_ratio <= 1.0 or not rids or all(take):
             return take
         states = [self.requests[rid] for rid in rids]
-        as_chosen = sum(1 + s.expected[SUFFIX if t else DRAFTER] for s, t in zip(states, take))
-        all_suffix = sum(1 + (s.expected[SUFFIX] if s.proposal else 0.0) for s in states)
+        as_chosen = sum(1 + (s.estimate if t else s.expected[DRAFTER]) for s, t in zip(states, take))
+        all_suffix = sum(1 + s.estimate for s in states)
         stale = any(s.off_drafter >= self.rule.explore for s, t in zip(states, take) if not t)
         if stale or all_suffix * cost_ratio <= as_chosen:
             for state, t in zip(states, take):

@@ -173,6 +173,7 @@ class TTSEagleWorker(EAGLEWorkerV2):
             min_match=config.hybrid_min_match,
             margin=config.hybrid_margin,
             cost=config.hybrid_cost,
+            score=config.hybrid_score,
             retire_below=config.hybrid_retire_below,
             retire_after=config.hybrid_retire_after,
         )
@@ -181,10 +182,11 @@ class TTSEagleWorker(EAGLEWorkerV2):
         self.tts.hybrid = hybrid
         logger.info(
             "sglang-tts: hybrid drafting on (suffix chains of %d tokens from SGLang's NGRAM corpus; min match %d, "
-            "margin %g, round costs %s, training on %s rounds, %s)",
+            "margin %g, suffix side: %s, round costs %s, training on %s rounds, %s)",
             steps,
             rule.min_match,
             rule.margin,
+            "the chain's score" if rule.score == "chain" else "the moving average",
             "weighed" if rule.cost else "ignored",
             config.hybrid_train,
             f"drafter retired below {rule.retire_below:g} accepted tokens per round after {rule.retire_after} rounds"

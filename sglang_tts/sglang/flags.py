@@ -220,6 +220,13 @@ FLAGS: dict[str, tuple[str, dict[str, Any]]] = {
         "hybrid_margin",
         {"type": float, "help": "Suffix taken while its expected tokens >= the drafter's minus this."},
     ),
+    "--tts-hybrid-score": (
+        "hybrid_score",
+        {
+            "choices": ["average", "chain"],
+            "help": "The suffix side of the rule: a moving average, or the chain at hand's score in its context.",
+        },
+    ),
     "--tts-hybrid-cost": (
         "hybrid_cost",
         {

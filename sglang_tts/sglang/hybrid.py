@@ -154,7 +154,16 @@ class HybridDrafting:
         need = min(self.chooser.rule.min_match, steps)
         self.last_costs = {kind: self.costs.seconds(kind, len(reqs), steps) for kind in (SUFFIX, DRAFTER)}
         ratio = self.costs.ratio(len(reqs), steps) if self.chooser.rule.cost else 1.0
-        use = self.chooser.choose_batch(rids, chains, [req.output_ids for req in reqs], self.mode, need, ratio)
+        scores = None
+        if self.chooser.rule.score == "chain":  # each offered chain's score from its request's own context
+            scores = [
+                self.chooser.score(rid, req.origin_input_ids_unpadded, req.output_ids, chain)
+                if len(chain) >= need and not self.chooser.retired(rid)
+                else None
+                for rid, req, chain in zip(rids, reqs, chains)
+            ]
+        outputs = [req.output_ids for req in reqs]
+        use = self.chooser.choose_batch(rids, chains, outputs, self.mode, need, ratio, scores)
         if self.split:
             use = [zlib.crc32(rid.encode()) % 2 == 0 for rid in rids]
             for rid, u in zip(rids, use):

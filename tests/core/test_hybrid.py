@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_tts.core.hybrid import DRAFTER, SUFFIX, HybridChooser, HybridRule, RoundCosts, common_prefix
+from sglang_tts.core.hybrid import (
+    DRAFTER,
+    SUFFIX,
+    HybridChooser,
+    HybridRule,
+    RoundCosts,
+    as_text,
+    chain_score,
+    common_prefix,
+)
 
 
 def test_common_prefix_counts_what_verify_would_accept():
@@ -198,3 +207,69 @@ def test_retirement_is_off_by_default():
         chooser.choose("r", [], [1])
         chooser.accepted("r", 0)
     assert not chooser.retired("r")
+
+
+def test_chain_score_counts_how_the_contexts_deepest_earlier_match_continued():
+    # "1 2 3 4" occurred twice before, continued by 5 6 both times and then once by 7, once by 9.
+    text = as_text([1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 9, 0, 8, 3, 4])
+    # The deepest earlier match of the context's end is "3 4" (the "8 3 4" never occurred before).
+    assert chain_score(text, [5, 6, 7]) == pytest.approx(1 + 1 + 0.5)
+    assert chain_score(text, [5, 6, 9]) == pytest.approx(2.5)
+    assert chain_score(text, [5, 1, 9]) == pytest.approx(1.0)  # a miss ends the chain: nothing after it counts
+    assert chain_score(text, [7, 6, 7]) == 0.0
+    assert chain_score(text, []) == 0.0
+    # A context whose last token never occurred before scores nothing, however the chain goes.
+    assert chain_score(as_text([1, 2, 3, 4, 5]), [1, 2, 3]) == 0.0
+    # The deepest match wins over a shallower one that continued differently more often.
+    text = as_text([9, 4, 1, 0, 9, 4, 1, 0, 7, 4, 2, 0, 7, 4])
+    assert chain_score(text, [2, 0, 7]) == pytest.approx(3.0)  # "7 4" -> 2 0 7 (its one earlier occurrence)
+    assert chain_score(text, [1, 0, 9]) == 0.0
+    # At most `depth` tokens are matched: with depth 1 only "4" counts (3 earlier occurrences: 1, 1, 2).
+    assert chain_score(text, [1, 0, 9], depth=1) == pytest.approx(2 / 3 + 2 / 3 + 1 / 3)
+
+
+def test_as_text_takes_a_large_vocabulary():
+    ids = [0, 151_935, 0xD800, 262_143]  # ids in the surrogate range are characters too
+    assert [ord(c) for c in as_text(ids)] == ids
+
+
+def test_the_chain_score_replaces_the_suffix_average_in_the_choice():
+    chooser = HybridChooser(HybridRule(steps=3, score="chain"), prior_suffix=0.0, prior_drafter=1.0)
+    # The average says the drafter (0 < 1); a chain the context continued this way twice says the suffix.
+    assert chooser.choose("r", [7, 8, 9], [1, 2], score=2.0)
+    assert chooser.requests["r"].estimate == 2.0
+    chooser.accepted("r", 3)
+    assert not chooser.choose("r", [7, 8, 9], [1, 2, 7, 8, 9, 5], score=0.5)  # a weak chain: the drafter
+    chooser.accepted("r", 1)
+    # Without a score the moving average decides, and so it does under score="average" (the default).
+    average = HybridChooser(HybridRule(steps=3), prior_suffix=0.0, prior_drafter=1.0)
+    assert not average.choose("r", [7, 8, 9], [1, 2], score=2.0)
+    assert not chooser.choose("s", [7, 8, 9], [1, 2])
+    with pytest.raises(ValueError, match="hybrid score"):
+        HybridRule(steps=3, score="best")
+
+
+def test_the_context_text_follows_the_request_and_is_rebuilt_when_it_changes():
+    chooser = HybridChooser(HybridRule(steps=3))
+    prompt = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert chooser.score("r", prompt, [], [3, 4, 5]) == pytest.approx(3.0)
+    assert chooser.requests["r"].text == as_text(prompt)
+    assert chooser.score("r", prompt, [3, 4], [5, 6, 1]) == pytest.approx(3.0)  # extended by the new tokens
+    assert chooser.requests["r"].text == as_text(prompt + [3, 4])
+    # Retracted and run again with another output: the text is rebuilt, not extended.
+    assert chooser.score("r", prompt, [9], [1, 2, 3]) == 0.0
+    assert chooser.requests["r"].text == as_text(prompt + [9])
+    chooser.forget("r")
+    assert "r" not in chooser.requests
+
+
+def test_the_cost_rule_weighs_each_chains_score():
+    rule = HybridRule(steps=3, cost=True, score="chain")
+    chooser = HybridChooser(rule, prior_suffix=0.0, prior_drafter=1.0)
+    # Two requests whose chains score 0.9 (the drafter expects 1.0): the rule gives both the drafter, but
+    # the whole batch on suffix chains yields 2 x 1.9 tokens at a round 1.2x cheaper than 2 x 2.0.
+    take = chooser.choose_batch(["a", "b"], [[1, 2, 3], [4, 5, 6]], [[0], [0]], cost_ratio=1.2, scores=[0.9, 0.9])
+    assert take == [True, True]
+    chooser = HybridChooser(rule, prior_suffix=0.0, prior_drafter=1.0)
+    take = chooser.choose_batch(["a", "b"], [[1, 2, 3], [4, 5, 6]], [[0], [0]], cost_ratio=1.2, scores=[0.1, 0.1])
+    assert take == [False, False]

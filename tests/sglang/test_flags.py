@@ -44,6 +44,13 @@ def test_the_budget_scale_reaches_the_config(parser):
     assert flags.tts_config_from_env().update_budget_scale == 1.0
 
 
+def test_the_hybrids_suffix_score_reaches_the_config(parser):
+    parser.parse_args([])
+    assert flags.tts_config_from_env().hybrid_score == "average"
+    parser.parse_args(["--tts-hybrid-score", "chain"])
+    assert flags.tts_config_from_env().hybrid_score == "chain"
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -67,6 +74,7 @@ def test_the_budget_scale_reaches_the_config(parser):
         (["--tts-update-budget-scale", "0"], "--tts-update-budget-scale must be in (0, 1]"),
         (["--tts-update-budget-scale", "1.5"], "--tts-update-budget-scale must be in (0, 1]"),
         (["--tts-adapter-lr", "inf"], "--tts-adapter-lr must be a finite number"),
+        (["--tts-hybrid-score", "best"], "invalid choice"),
     ],
 )
 def test_bad_values_are_argparse_errors_naming_the_flag(parser, argv, message, capsys):

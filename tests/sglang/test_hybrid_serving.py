@@ -74,9 +74,12 @@ def test_hybrid_output_is_the_targets_and_reports_both_proposers(loopy_llama, hy
 def test_hybrid_tts_keeps_training_and_stays_lossless(loopy_llama, loopy_eagle3):
     """At stride 1 every round is a stride: by default (idle updates skipped) only the rounds the drafter
     drafted train, and once the output cycles the suffix proposer drafts the rest; with `run` the
-    suffix proposer's rounds train too; with `--tts-hybrid-train drafter` they make no canvas."""
-    for train, idle in (("all", "skip"), ("all", "run"), ("drafter", "run")):
+    suffix proposer's rounds train too; with `--tts-hybrid-train drafter` they make no canvas. The first
+    server weighs the suffix side by the chain's score (`--tts-hybrid-score chain`), the others by its
+    moving average (the default)."""
+    for train, idle, score in (("all", "skip", "chain"), ("all", "run", "average"), ("drafter", "run", "average")):
         args = _args(loopy_eagle3, "--tts-hybrid", "on", "--tts-hybrid-train", train, "--tts-update-stride", "1")
+        args += ["--tts-hybrid-score", score]
         with sglang_server(str(loopy_llama), [*args, "--tts-hybrid-idle-updates", idle]) as server:
             out = _run(server, PROMPTS[0])
         assert out["output_ids"] == hf_greedy(str(loopy_llama), PROMPTS[0], NEW_TOKENS)
