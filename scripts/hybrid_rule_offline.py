@@ -73,21 +73,12 @@ class Walk:
         return self.tokens / max(self.rounds[SUFFIX] + ratio * self.rounds[DRAFTER], 1e-9)
 
 
-def leading(hits: Sequence[bool]) -> int:
-    n = 0
-    for hit in hits:
-        if not hit:
-            break
-        n += 1
-    return n
-
-
 def drafter_accepts(hits: torch.Tensor, prompt_len: int, answer_len: int) -> list[int]:
-    """[answer_len]: the drafter's accepted length in a round whose context is prompt + answer[:i]. `hits`
-    is `chain_hits` of prompt + answer: row t drafts the tokens at t + 2 on, so a context of c tokens
-    reads row c - 2."""
-    rows = hits.tolist()
-    return [leading(rows[prompt_len + i - 2]) for i in range(answer_len)]
+    """[answer_len]: the drafter's accepted length (leading hits) in a round whose context is prompt +
+    answer[:i]. `hits` is `chain_hits` of prompt + answer: row t drafts the tokens at t + 2 on, so a context
+    of c tokens reads row c - 2."""
+    accepted = hits.int().cumprod(-1).sum(-1)
+    return [int(accepted[prompt_len + i - 2]) for i in range(answer_len)]
 
 
 def walk(
@@ -152,9 +143,7 @@ def pooled(walks: Sequence[Walk], prompt: str, dataset: str, rule: str) -> Walk:
     return total
 
 
-def summary_rows(
-    walks: Sequence[Walk], answers: dict[str, dict], ratios: Sequence[float]
-) -> list[tuple[str, str, list[Walk]]]:
+def summary_rows(walks: Sequence[Walk], answers: dict[str, dict]) -> list[tuple[str, str, list[Walk]]]:
     """(label, what it pools, one Walk per rule) per prompt, per workload, and pooled with and without loops."""
     rules = list(dict.fromkeys(w.rule for w in walks))
     groups: list[tuple[str, str, list[str]]] = []
@@ -177,7 +166,7 @@ def summary_rows(
 
 def write_report(out: Path, meta: dict, walks: list[Walk], answers: dict[str, dict]) -> None:
     ratios = meta["cost_ratios"]
-    rows = summary_rows(walks, answers, ratios)
+    rows = summary_rows(walks, answers)
     write_json(out / "hybrid_rule.json", {"meta": meta, "answers": answers, "walks": [asdict(w) for w in walks]})
     r0 = ratios[0]
     body = [
@@ -342,7 +331,7 @@ def main(argv: list[str] | None = None) -> list[Walk]:
             )
         meta["seconds"] = round(time.perf_counter() - started, 1)
         write_report(out, meta, walks, answers)
-    for label, _, per_rule in summary_rows(walks, answers, args.cost_ratio):
+    for label, _, per_rule in summary_rows(walks, answers):
         base = per_rule[0].speed(args.cost_ratio[0])
         print(label, " ".join(f"{w.rule} {w.speed(args.cost_ratio[0]) / base:.3f}" for w in per_rule))
     return walks

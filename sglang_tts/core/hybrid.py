@@ -201,15 +201,13 @@ class HybridChooser:
         ints). The context's text is kept per live request and extended by the new output tokens (rebuilt
         when it no longer matches: a request that was retracted and runs again)."""
         state = self._state(rid)
-        text, n = state.text, len(prompt) + len(output)
-        have = len(text)
-        last = (prompt[have - 1] if have <= len(prompt) else output[have - len(prompt) - 1]) if 0 < have <= n else -1
-        if have < len(prompt) or have > n or ord(text[-1]) != last:
-            text = as_text(prompt) + as_text(output)
+        known, have = len(prompt), len(state.text)  # the text holds the prompt and output[: have - known]
+        fits = known <= have <= known + len(output)
+        if fits and (have == 0 or ord(state.text[-1]) == (output[have - known - 1] if have > known else prompt[-1])):
+            state.text += as_text(output[have - known :])
         else:
-            text += as_text(output[have - len(prompt) :])
-        state.text = text
-        return chain_score(text, chain)
+            state.text = as_text(prompt) + as_text(output)
+        return chain_score(state.text, chain)
 
     def choose(
         self,

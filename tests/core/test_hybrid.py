@@ -261,6 +261,7 @@ def test_the_context_text_follows_the_request_and_is_rebuilt_when_it_changes():
     assert chooser.requests["r"].text == as_text(prompt + [9])
     chooser.forget("r")
     assert "r" not in chooser.requests
+    assert chooser.score("e", [], [], [1]) == 0.0 and chooser.requests["e"].text == ""  # nothing to read yet
 
 
 def test_the_cost_rule_weighs_each_chains_score():
