@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from sglang_tts.bench.runner import flush_cache
 from sglang_tts.bench.server import sglang_server
 from sglang_tts.sglang.hybrid import SPLIT_ENV
 from sglang_tts.testing.reference import assert_sampling_keeps_target_distribution, generate_ids, hf_greedy
@@ -131,7 +132,7 @@ def test_a_retired_drafter_stops_drafting_extending_and_training_and_output_stay
         alone = []
         for prompt in PROMPTS:  # a flush between requests: each starts from the rule's priors
             alone.append(_run(server, prompt))
-            urllib.request.urlopen(urllib.request.Request(server.base_url + "/flush_cache", method="POST"), timeout=30)
+            flush_cache(server.base_url)  # waits until the server is idle (a flush while busy is refused: 400)
         with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as response:
             prom = response.read().decode()
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
